@@ -1,0 +1,7 @@
+"""`python -m heteroflow` runs the CLI."""
+
+import sys
+
+from heteroflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""`ClusterSpec` and `NodeSpec`: the machines a job may use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from heteroflow.config.device import VENDORS, DeviceSpec
+from heteroflow.config.reader import REQUIRED, Problems, Section
+from heteroflow.errors import did_you_mean
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeSpec:
+    """One machine: `count` devices of one type."""
+
+    name: str
+    """Unique node name; plans refer to devices as `NAME` or `NAME:i-j`."""
+    device: str
+    """Device type name (catalog entry or `cluster.device_types` key)."""
+    count: int
+    """Devices on this node."""
+    host: str | None = None
+    """Address of the node, for multi-node launch."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceRef:
+    """One device of the cluster: local index `index` on node `node`."""
+
+    node: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.node}:{self.index}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """Nodes, their device types and the network between nodes."""
+
+    nodes: tuple[NodeSpec, ...]
+    """Nodes in declaration order; device order follows it."""
+    device_types: dict[str, DeviceSpec] = field(hash=False)
+    """Every device type a node uses, plus any declared in `cluster.device_types`."""
+    inter_node_gb_per_s: float = 25.0
+    """Per-node network bandwidth between nodes, GB/s."""
+    profile: str | None = None
+    """Path of a `heteroflow profile` file whose measurements replace catalog figures."""
+
+    def node(self, name: str) -> NodeSpec:
+        """The node called `name` (which must exist)."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    def device_type_of(self, node_name: str) -> DeviceSpec:
+        """The `DeviceSpec` of the devices on node `node_name`."""
+        return self.device_types[self.node(node_name).device]
+
+    @property
+    def num_devices(self) -> int:
+        """Devices in the whole cluster."""
+        return sum(n.count for n in self.nodes)
+
+    def devices(self) -> list[DeviceRef]:
+        """Every device, node by node."""
+        return [DeviceRef(node=n.name, index=i) for n in self.nodes for i in range(n.count)]
+
+    def vendors(self) -> list[str]:
+        """Distinct vendors, in node order."""
+        seen: list[str] = []
+        for n in self.nodes:
+            vendor = self.device_types[n.device].vendor
+            if vendor not in seen:
+                seen.append(vendor)
+        return seen
+
+    def to_dict(self) -> dict:
+        """Plain data in the job YAML's schema (custom types written out in full)."""
+        from heteroflow.devices.catalog import CATALOG
+        custom = {k: {f: v for f, v in d.to_dict().items() if f != "name"}
+                  for k, d in self.device_types.items() if CATALOG.get(k) != d}
+        out: dict = {"inter_node_gb_per_s": self.inter_node_gb_per_s}
+        if custom:
+            out["device_types"] = custom
+        if self.profile:
+            out["profile"] = self.profile
+        out["nodes"] = [{k: v for k, v in (("name", n.name), ("device", n.device), ("count", n.count),
+                                           ("host", n.host)) if v is not None} for n in self.nodes]
+        return out
+
+
+_DEVICE_NUMBER_FIELDS = ("memory_gib", "tflops_bf16", "tflops_fp16", "tflops_fp32", "hbm_gb_per_s",
+                         "intra_node_gb_per_s", "host_link_gb_per_s")
+
+
+def _parse_device_type(name: str, sec: Section, base: DeviceSpec | None) -> DeviceSpec | None:
+    """A custom type, or an override of catalog entry `base`."""
+    vendor = sec.string("vendor", base.vendor if base else REQUIRED, choices=VENDORS)
+    values = {}
+    for f in _DEVICE_NUMBER_FIELDS:
+        required = base is None and f in ("memory_gib", "intra_node_gb_per_s")
+        default = REQUIRED if required else (getattr(base, f) if base else DeviceSpec.__dataclass_fields__[f].default)
+        values[f] = sec.number(f, default, positive=True)
+    source = sec.string("source", None)
+    sec.finish()
+    if base is None and all(values[f] is None for f in ("tflops_bf16", "tflops_fp16", "tflops_fp32")):
+        sec.problems.add(sec.path, "a custom device type needs at least one of tflops_bf16, tflops_fp16, "
+                         "tflops_fp32")
+        return None
+    if vendor is None or values["memory_gib"] is None or values["intra_node_gb_per_s"] is None:
+        return None
+    source = source or ("cluster.device_types override of " + base.source if base else "cluster.device_types")
+    if base is not None:
+        return replace(base, vendor=vendor, source=source, **values)
+    return DeviceSpec(name=name, vendor=vendor, source=source, **values)
+
+
+def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> ClusterSpec | None:
+    """Build a `ClusterSpec` from the job's `cluster:` section, resolving device types."""
+    from heteroflow.devices.catalog import CATALOG
+
+    sec = Section(data, path, problems)
+    inter = sec.number("inter_node_gb_per_s", 25.0, positive=True)
+    profile = sec.string("profile", None)
+    types: dict[str, DeviceSpec] = {}
+    custom = sec.mapping("device_types", None)
+    if custom is not None:
+        for name in list(custom.data):
+            entry = custom.mapping(str(name))
+            if entry is not None:
+                spec = _parse_device_type(str(name), entry, CATALOG.get(str(name)))
+                if spec is not None:
+                    types[str(name)] = spec
+        custom.finish()
+    known = {**CATALOG, **types}
+    nodes: list[NodeSpec] = []
+    raw_nodes = sec.sequence("nodes")
+    seen_names: dict[str, int] = {}
+    for i, raw in enumerate(raw_nodes or []):
+        node_sec = Section(raw, f"{sec.at('nodes')}[{i}]", problems)
+        name = node_sec.string("name")
+        device = node_sec.string("device")
+        count = node_sec.integer("count")
+        host = node_sec.string("host", None)
+        node_sec.finish()
+        if name is not None:
+            if name in seen_names:
+                problems.add(node_sec.at("name"), f"duplicate node name {name!r} (also cluster.nodes"
+                             f"[{seen_names[name]}]); node names must be unique")
+                name = None
+            elif ":" in name or not name.strip():
+                problems.add(node_sec.at("name"), f"node name {name!r} must be non-empty without ':'")
+                name = None
+            else:
+                seen_names[name] = i
+        if device is not None and device not in known:
+            problems.add(node_sec.at("device"), f"unknown device type {device!r}" + did_you_mean(device, known)
+                         + "; declare it under cluster.device_types or run `heteroflow devices --catalog`")
+            device = None
+        if None not in (name, device, count):
+            nodes.append(NodeSpec(name=name, device=device, count=count, host=host))
+            types.setdefault(device, known[device])
+    if raw_nodes is not None and not raw_nodes:
+        problems.add(sec.at("nodes"), "a cluster needs at least one node")
+    sec.finish()
+    if not sec.valid or inter is None or not nodes:
+        return None
+    return ClusterSpec(nodes=tuple(nodes), device_types=types, inter_node_gb_per_s=inter, profile=profile)

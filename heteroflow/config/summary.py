@@ -1,0 +1,32 @@
+"""Human-readable summaries of a validated job."""
+
+from __future__ import annotations
+
+from heteroflow.config.job import JobConfig
+
+
+def summarize_job(job: JobConfig) -> str:
+    """A few lines: the cluster by device type, the model size, the batch and the plan."""
+    by_type: dict[str, int] = {}
+    for node in job.cluster.nodes:
+        by_type[node.device] = by_type.get(node.device, 0) + node.count
+    devices = ", ".join(f"{n} x {t} ({job.cluster.device_types[t].vendor})" for t, n in by_type.items())
+    m, t = job.model, job.train
+    lines = [
+        f"  cluster: {len(job.cluster.nodes)} nodes, {job.cluster.num_devices} devices: {devices}",
+        f"  model:   {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+        f"({m.num_kv_heads} kv), seq {m.seq_length}, {m.num_params() / 1e9:.2f} B parameters",
+        f"  train:   global batch {t.global_batch_size}, {t.precision}, {t.steps} steps, lr {t.lr:g}",
+    ]
+    if job.plan is None:
+        lines.append("  plan:    auto (run `heteroflow plan` to see it)")
+    else:
+        lines.append(f"  plan:    {len(job.plan.stages)} stages, {job.plan.schedule}, micro-batch "
+                     f"{job.plan.micro_batch_size}, {job.plan.num_devices} of {job.cluster.num_devices} devices")
+        for k, (stage, (first, last)) in enumerate(zip(job.plan.stages, job.plan.layer_ranges())):
+            lines.append(f"    stage {k}: {stage.num_devices} x {stage.device_type}, layers {first}-{last - 1}, "
+                         f"tp {stage.tp} dp {stage.dp}" + (" sp" if stage.sp else "")
+                         + (f" zero{stage.zero}" if stage.zero else "")
+                         + (f" recompute={stage.recompute}" if stage.recompute != "none" else "")
+                         + (f" offload={stage.offload.to_dict()}" if stage.offload.any else ""))
+    return "\n".join(lines)

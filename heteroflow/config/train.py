@@ -1,0 +1,131 @@
+"""`TrainSpec`: batch sizes, optimizer schedule, data and checkpoint settings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from heteroflow.config.device import PRECISIONS
+from heteroflow.config.reader import Problems, Section
+
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    """A flat binary token file: sample i is tokens [i*S, i*S + S + 1) for sequence length S."""
+
+    path: str
+    """Token file (`.bin`), resolved relative to the job file."""
+    dtype: str = "uint16"
+    """Token width: uint16 or uint32."""
+    shuffle: bool = True
+    """Visit samples in a seeded random order; False consumes them in file order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointSpec:
+    """Where and how often layout-independent checkpoints are written."""
+
+    dir: str
+    """Checkpoint directory, resolved relative to the job file."""
+    interval: int = 100
+    """Save every `interval` optimizer steps."""
+    keep: int = 3
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSpec:
+    """Optimization settings; AdamW with linear warmup then cosine decay to `min_lr`."""
+
+    global_batch_size: int
+    """Samples per optimizer step."""
+    micro_batch_size: int = 1
+    """Samples per pipeline micro-batch (a plan may override)."""
+    precision: str = "bf16"
+    """bf16, fp16 (autocast, fp32 master weights) or fp32."""
+    steps: int = 1000
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seeds weights and data order; the plan never changes them."""
+    lr: float = 3.0e-4
+    """Peak learning rate."""
+    min_lr: float = 3.0e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 100
+    """Linear warmup steps from 0 to `lr`."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    data: DataSpec | None = None
+    """Token file; None uses the built-in corpus."""
+    init_from: str | None = None
+    """A Hugging Face-format Llama/Qwen2 checkpoint directory to start from."""
+    checkpoint: CheckpointSpec | None = None
+    """Periodic checkpoints; None writes none."""
+
+    def to_dict(self) -> dict:
+        """Plain data in the job YAML's schema (unset optional sections left out)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def parse_train(data: object, problems: Problems, path: str = "train") -> TrainSpec | None:
+    """Build a `TrainSpec` from the job's `train:` section."""
+    sec = Section(data, path, problems)
+    d = TrainSpec.__dataclass_fields__
+    values = {
+        "global_batch_size": sec.integer("global_batch_size"),
+        "micro_batch_size": sec.integer("micro_batch_size", d["micro_batch_size"].default),
+        "precision": sec.string("precision", d["precision"].default, choices=PRECISIONS),
+        "steps": sec.integer("steps", d["steps"].default),
+        "seed": sec.integer("seed", d["seed"].default, minimum=0),
+        "warmup_steps": sec.integer("warmup_steps", d["warmup_steps"].default, minimum=0),
+        "init_from": sec.string("init_from", None),
+    }
+    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "adam_beta1", "adam_beta2", "adam_eps"):
+        must_be_positive = name in ("lr", "adam_eps")
+        values[name] = sec.number(name, d[name].default, minimum=None if must_be_positive else 0.0,
+                                  positive=must_be_positive)
+    for name in ("adam_beta1", "adam_beta2"):
+        if values[name] is not None and values[name] >= 1:
+            problems.add(sec.at(name), f"must be below 1, got {values[name]:g}")
+            values[name] = None
+    data_sec = sec.mapping("data", None)
+    values["data"] = None
+    if data_sec is not None:
+        values["data"] = _build(DataSpec, data_sec, path=data_sec.string("path"),
+                                dtype=data_sec.string("dtype", "uint16", choices=TOKEN_DTYPES),
+                                shuffle=data_sec.boolean("shuffle", True))
+    ckpt_sec = sec.mapping("checkpoint", None)
+    values["checkpoint"] = None
+    if ckpt_sec is not None:
+        values["checkpoint"] = _build(CheckpointSpec, ckpt_sec, dir=ckpt_sec.string("dir"),
+                                      interval=ckpt_sec.integer("interval", 100),
+                                      keep=ckpt_sec.integer("keep", 3))
+    sec.finish()
+    lr, min_lr = values["lr"], values["min_lr"]
+    if lr is not None and min_lr is not None and min_lr > lr:
+        problems.add(sec.at("min_lr"), f"{min_lr:g} is above lr {lr:g}; min_lr must not exceed lr")
+        return None
+    gbs, mbs = values["global_batch_size"], values["micro_batch_size"]
+    if gbs is not None and mbs is not None and gbs % mbs:
+        problems.add(sec.at("global_batch_size"), f"{gbs} is not divisible by micro_batch_size {mbs}")
+        return None
+    optional = ("init_from", "data", "checkpoint")
+    if not sec.valid or any(v is None for k, v in values.items() if k not in optional):
+        return None
+    if (data_sec is not None and values["data"] is None) or (ckpt_sec is not None and values["checkpoint"] is None):
+        return None
+    return TrainSpec(**values)
+
+
+def _build(cls, sec: Section, **values):
+    """`cls(**values)` after reporting unknown keys, or None when any value was bad."""
+    sec.finish()
+    if not sec.valid or any(v is None for v in values.values()):
+        return None
+    return cls(**values)
