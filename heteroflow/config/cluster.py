@@ -119,7 +119,7 @@ def _parse_device_type(name: str, sec: Section, base: DeviceSpec | None) -> Devi
 
 def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> ClusterSpec | None:
     """Build a `ClusterSpec` from the job's `cluster:` section, resolving device types."""
-    from heteroflow.devices.catalog import CATALOG
+    from heteroflow.devices.catalog import ALIASES, CATALOG
 
     sec = Section(data, path, problems)
     inter = sec.number("inter_node_gb_per_s", 25.0, positive=True)
@@ -156,7 +156,11 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
             else:
                 seen_names[name] = i
         if device is not None and device not in known:
-            problems.add(node_sec.at("device"), f"unknown device type {device!r}" + did_you_mean(device, known)
+            # Catalog names are case-insensitive and have aliases (`ascend-910b`); store the canonical name.
+            canonical = ALIASES.get(device.lower(), device.lower())
+            device = canonical if canonical in CATALOG else device
+        if device is not None and device not in known:
+            problems.add(node_sec.at("device"), f"unknown device type {device!r}" + did_you_mean(device, [*known, *ALIASES])
                          + "; declare it under cluster.device_types or run `heteroflow devices --catalog`")
             device = None
         if None not in (name, device, count):

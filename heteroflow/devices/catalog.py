@@ -141,6 +141,6 @@ def lookup(name: str) -> DeviceSpec:
         return CATALOG[key]
     hint = did_you_mean(name, [*CATALOG, *ALIASES])
     raise UserError(
-        f"unknown chip {name!r}{hint}; known chips: {', '.join(CATALOG)} "
-        "(or describe it under cluster.device_types)"
+        f"unknown chip {name!r}{hint}; `heteroflow devices --catalog` lists the known chips, "
+        "or describe it under cluster.device_types"
     )

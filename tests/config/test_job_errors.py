@@ -236,3 +236,11 @@ def test_duplicate_yaml_key_is_an_error(write_yaml):
 def test_missing_file():
     with pytest.raises(UserError, match="file not found"):
         load_job("/nonexistent/job.yaml")
+
+
+def test_catalog_aliases_and_case_resolve_to_canonical_names():
+    data = edited(plan="auto")
+    data["cluster"]["nodes"][1]["device"] = "ascend-910b"
+    data["cluster"]["nodes"][0]["device"] = "NVIDIA-A100-80G"
+    job = parse_job(data)
+    assert [n.device for n in job.cluster.nodes] == ["nvidia-a100-80g", "ascend-910b3"]
