@@ -5,6 +5,14 @@ from __future__ import annotations
 from heteroflow.config.job import JobConfig
 
 
+def human_count(n: float) -> str:
+    """1.2e9 -> '1.20 B', 3.4e6 -> '3.40 M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return str(int(n))
+
+
 def summarize_job(job: JobConfig) -> str:
     """A few lines: the cluster by device type, the model size, the batch and the plan."""
     by_type: dict[str, int] = {}
@@ -15,7 +23,7 @@ def summarize_job(job: JobConfig) -> str:
     lines = [
         f"  cluster: {len(job.cluster.nodes)} nodes, {job.cluster.num_devices} devices: {devices}",
         f"  model:   {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
-        f"({m.num_kv_heads} kv), seq {m.seq_length}, {m.num_params() / 1e9:.2f} B parameters",
+        f"({m.num_kv_heads} kv), seq {m.seq_length}, {human_count(m.num_params())} parameters",
         f"  train:   global batch {t.global_batch_size}, {t.precision}, {t.steps} steps, lr {t.lr:g}",
     ]
     if job.plan is None:
