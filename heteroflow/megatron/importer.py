@@ -25,11 +25,12 @@ from heteroflow.megatron.context import Context
 from heteroflow.megatron.features import check_features
 from heteroflow.megatron.launcher import Launch, find_launch
 from heteroflow.megatron.layout import MegatronLayout, map_layout
-from heteroflow.megatron.mapping import map_model, map_train
+from heteroflow.megatron.mapping import map_model
 from heteroflow.megatron.nemo import read_nemo_yaml
 from heteroflow.megatron.placement import PLACEHOLDER_DEVICE, generated_cluster, plan_section
 from heteroflow.megatron.report import Entry, ImportReport, LayoutSummary
 from heteroflow.megatron.shell import run_script
+from heteroflow.megatron.training import map_train
 from heteroflow.megatron.yaml_cfg import read_megatron_yaml
 
 _STAND_IN_DEVICE = "cpu"

@@ -17,11 +17,13 @@ import fnmatch
 from dataclasses import dataclass, field
 
 from heteroflow.megatron.shell import arith
-from heteroflow.megatron.shell.conditions import Truth, evaluate_cond, evaluate_test
+from heteroflow.megatron.shell.builtins import BUILTINS, Exit, LoopControl, Return
+from heteroflow.megatron.shell.conditions import Truth, evaluate_cond
 from heteroflow.megatron.shell.errors import ShellSyntaxError
-from heteroflow.megatron.shell.expand import Env, Field, Var, expand_scalar, expand_word, expand_words
-from heteroflow.megatron.shell.parser import (AndOr, ArithCmd, Assign, Case, CondCmd, For, FuncDef, Group, If,
-                                              Pipeline, Sequence, Simple, While, parse_script)
+from heteroflow.megatron.shell.expand import Env, Field, Var, expand_scalar, expand_words
+from heteroflow.megatron.shell.nodes import (AndOr, ArithCmd, Assign, Case, CondCmd, For, FuncDef, Group, If,
+                                             Pipeline, Sequence, Simple, While)
+from heteroflow.megatron.shell.parser import parse_script
 
 MAX_STEPS = 200_000
 MAX_LOOP_ITERATIONS = 10_000
@@ -59,21 +61,6 @@ class ScriptRun:
     """Line of an `exit` the interpretation stopped at."""
 
 
-class _Exit(Exception):
-    def __init__(self, line: int):
-        self.line = line
-
-
-class _Return(Exception):
-    pass
-
-
-class _LoopControl(Exception):
-    def __init__(self, kind: str, levels: int):
-        self.kind = kind
-        self.levels = levels
-
-
 class Interpreter:
     """Walks the syntax tree, keeping variables in an `Env`."""
 
@@ -94,11 +81,11 @@ class Interpreter:
         exited = None
         try:
             self.run(tree)
-        except _Exit as stop:
+        except Exit as stop:
             exited = stop.line
-        except _Return:
+        except Return:
             pass
-        except _LoopControl:
+        except LoopControl:
             pass
         return ScriptRun(tuple(self.commands), tuple(self.env.notes), dict(self.env.missing), dict(self.env.vars),
                          exited)
@@ -174,9 +161,9 @@ class Interpreter:
                 return True
             try:
                 self.run(node.body)
-            except _LoopControl as control:
+            except LoopControl as control:
                 if control.levels > 1:
-                    raise _LoopControl(control.kind, control.levels - 1) from None
+                    raise LoopControl(control.kind, control.levels - 1) from None
                 if control.kind == "break":
                     return True
         self.env.line = node.line
@@ -190,9 +177,9 @@ class Interpreter:
             self.env.set_scalar(node.var, value)
             try:
                 self.run(node.body)
-            except _LoopControl as control:
+            except LoopControl as control:
                 if control.levels > 1:
-                    raise _LoopControl(control.kind, control.levels - 1) from None
+                    raise LoopControl(control.kind, control.levels - 1) from None
                 if control.kind == "break":
                     break
         return True
@@ -265,7 +252,7 @@ class Interpreter:
             return True
         if name in self.functions:
             return self._call(name, args)
-        handler = _BUILTINS.get(name or "")
+        handler = BUILTINS.get(name or "")
         if handler is not None:
             return handler(self, args, node)
         self.commands.append(Command(tuple(fields), line, prefix))
@@ -308,7 +295,7 @@ class Interpreter:
         self.env.positionals = list(args)
         try:
             return self.run(self.functions[name])
-        except _Return:
+        except Return:
             return True
         finally:
             self.env.positionals = saved
@@ -343,110 +330,6 @@ def _source_of(node: AndOr) -> str:
 def _parts_of(text: str) -> tuple:
     from heteroflow.megatron.shell.lexer import _parse_inner
     return _parse_inner(text, 0)
-
-
-# -- builtins ------------------------------------------------------------------------------------
-def _b_true(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    return True
-
-
-def _b_false(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    return False
-
-
-def _b_test(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    return evaluate_test(args, interp.env)
-
-
-def _b_bracket(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    if not args or args[-1].text != "]":
-        raise ShellSyntaxError(f"line {node.line}: `[` without its closing `]`")
-    return evaluate_test(args[:-1], interp.env)
-
-
-def _b_set(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    texts = [a.text for a in args]
-    if "--" in texts:
-        interp.env.positionals = list(args[texts.index("--") + 1:])
-    elif args and not texts[0].startswith(("-", "+")):
-        interp.env.positionals = list(args)
-    return True
-
-
-def _b_shift(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    n = int(args[0].text) if args and args[0].known and args[0].text.isdigit() else 1
-    interp.env.positionals = interp.env.positionals[n:]
-    return True
-
-
-def _b_unset(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    for arg in args:
-        if not arg.text.startswith("-"):
-            interp.env.vars.pop(arg.text, None)
-    return True
-
-
-def _b_eval(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    if not all(a.known for a in args):
-        interp.env.note("`eval` of a string with unknown parts is not interpreted")
-        return None
-    return interp.run_text(" ".join(a.text for a in args), node.line, "eval")
-
-
-def _b_shell(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    texts = [a.text for a in args]
-    if "-c" in texts and texts.index("-c") + 1 < len(args):
-        k = texts.index("-c")
-        script = args[k + 1]
-        if not script.known:
-            interp.env.note("`bash -c` with an unknown string is not interpreted")
-            return None
-        saved = interp.env.positionals
-        interp.env.positionals = list(args[k + 3:])
-        try:
-            return interp.run_text(script.text, node.line, "bash -c")
-        finally:
-            interp.env.positionals = saved
-    interp.env.note(f"`{' '.join(texts)}` runs another script, which is not followed")
-    return True
-
-
-def _b_source(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    target = args[0].text if args else ""
-    interp.env.note(f"`source {target}` is not followed; variables it sets are unknown here "
-                    "(pass them with --env NAME=VALUE)")
-    return True
-
-
-def _b_exit(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    raise _Exit(node.line)
-
-
-def _b_return(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    raise _Return()
-
-
-def _b_break(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    raise _LoopControl("break", int(args[0].text) if args and args[0].text.isdigit() else 1)
-
-
-def _b_continue(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    raise _LoopControl("continue", int(args[0].text) if args and args[0].text.isdigit() else 1)
-
-
-def _b_read(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    for arg in args:
-        if not arg.text.startswith("-"):
-            interp.env.set_scalar(arg.text, Field.unknown(f"$(read {arg.text})"))
-    return None
-
-
-_BUILTINS = {
-    "true": _b_true, ":": _b_true, "false": _b_false, "test": _b_test, "[": _b_bracket, "set": _b_set,
-    "shift": _b_shift, "unset": _b_unset, "eval": _b_eval, "bash": _b_shell, "sh": _b_shell,
-    "source": _b_source, ".": _b_source, "exit": _b_exit, "return": _b_return, "break": _b_break,
-    "continue": _b_continue, "read": _b_read,
-}
 
 
 def run_script(text: str, *, args: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
