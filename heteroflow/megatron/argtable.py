@@ -402,6 +402,16 @@ _many("retro", "float", "--retro-encoder-hidden-dropout", "--retro-encoder-atten
 _many("retro", "true", "--retro-no-verify-neighbor-count")
 _many("rl", "int", "--grpo-prompts-per-step", "--grpo-group-size", "--grpo-iterations", "--rl-prompts-per-eval")
 
+# -- Megatron-DeepSpeed (the DeepSpeed fork of Megatron-LM) ----------------------------------------
+_add(MAPPED, "true", "--deepspeed")
+_add(MAPPED, "int", "--zero-stage", default=1)
+_add("runtime", "str", "--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+     reason="DeepSpeed's JSON config is not read: batch, ZeRO and precision come from the Megatron arguments")
+_add("kernel", "true", "--deepspeed-activation-checkpointing",
+     reason="DeepSpeed's implementation of the recompute --checkpoint-activations asks for")
+_add("deprecated", "true", "--no-pipeline-parallel",
+     reason="Megatron-DeepSpeed without its pipeline engine: with pp = 1 the same layout")
+
 FEATURE_SWITCHES = {
     "moe": "--num-experts", "mla": "--multi-latent-attention", "hybrid": "--is-hybrid-model",
     "mtp": "--mtp-num-layers", "retro": "--retro-add-retriever", "rl": "--perform-rl-step",

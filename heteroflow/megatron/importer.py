@@ -263,6 +263,8 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
         from heteroflow.devices.catalog import lookup
         device_type = lookup(options.device_type).name
     notes = list(source.notes)
+    if options.device_type is not None and cluster is not None:
+        notes.append(f"--device-type {options.device_type} is not used: the cluster file names the devices")
     ctx = Context(source.args)
     for problem in source.args.problems:
         ctx.error(f"{problem} (Megatron's argument parser rejects it)")
@@ -317,8 +319,9 @@ def _build_job(path: Path, model: dict, train: dict, layout: MegatronLayout, clu
         problems = Problems()
         check_cluster = parse_cluster(stand_in, problems)
         problems.raise_if_any()
-        note = (f"{nnodes} nodes x {nproc} {device_type} devices (--device-type)" if device_type else
-                f"{nnodes} nodes x {nproc} devices of type `{PLACEHOLDER_DEVICE}`: set the device type in the job "
+        nodes = f"{nnodes} node{'s' * (nnodes != 1)}"
+        note = (f"{nodes} x {nproc} {device_type} devices (--device-type)" if device_type else
+                f"{nodes} x {nproc} devices of type `{PLACEHOLDER_DEVICE}`: set the device type in the job "
                 "(or re-run with --device-type NAME / --cluster CLUSTER.yaml); `heteroflow validate` rejects "
                 "the placeholder")
     plan = plan_section(layout, check_cluster)

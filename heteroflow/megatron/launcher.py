@@ -73,8 +73,20 @@ def _basename(text: str) -> str:
     return os.path.basename(text.rstrip("/"))
 
 
+_WRAPPERS = ("srun", "mpirun", "mpiexec", "env", "nohup", "time", "exec", "numactl", "taskset", "nice", "timeout",
+             "stdbuf", "sudo", "nsys", "ncu")
+_PYTHON = re.compile(r"^python[\d.]*$")
+
+
 def _entry_index(fields: tuple[Field, ...]) -> int | None:
-    """Index of the training entry point among a command's words, if it has one."""
+    """Index of the training entry point among a command's words, if the command runs one.
+
+    The command itself must be a launcher, a wrapper, Python or the script: `echo torchrun ... pretrain_gpt.py`
+    only prints the launch line.
+    """
+    first = _basename(fields[0].text) if fields and fields[0].known else ""
+    if not (first in _DISTRIBUTED or first in _WRAPPERS or _PYTHON.match(first) or first.endswith(".py")):
+        return None
     has_launcher = False
     for k, f in enumerate(fields):
         if not f.known:
@@ -196,6 +208,11 @@ def find_launch(commands: tuple[Command, ...]) -> Launch:
         # A plain `python pretrain_gpt.py` is one process unless a scheduler wrapper said otherwise.
         nproc = 1 if nproc is None else nproc
         nnodes = 1 if nnodes is None else nnodes
+    elif launcher == "deepspeed" and nnodes is None and not any(
+            e.key.split()[-1] in ("--num_nodes", "--num-nodes", "--hostfile") for e in entries):
+        # Without a hostfile or --num_nodes the deepspeed launcher runs on the local machine only.
+        launcher_notes.append(f"line {command.line}: deepspeed without --num_nodes or --hostfile: one node")
+        nnodes = 1
     elif launcher in ("torchrun", "torch.distributed.run", "torch.distributed.launch"):
         # torchrun's own defaults (--nnodes 1:1, --nproc-per-node 1) when the option is absent, not unknown.
         given = {e.key.split()[-1] for e in entries}

@@ -276,6 +276,17 @@ def _default_entry(ctx: Context, dest: str, value: object, detail: str):
 
 
 def _zero(ctx: Context, pp: int) -> int:
+    if ctx.get("deepspeed"):
+        stage = ctx.value("zero_stage")
+        if stage is None or not 0 <= stage <= 3:
+            ctx.error(f"--zero-stage must be 0, 1, 2 or 3, got {stage}")
+            return 0
+        if stage > 1 and pp > 1:
+            ctx.error(f"ZeRO-{stage} is incompatible with pipeline parallelism (DeepSpeed); use --zero-stage 0 or 1")
+        ctx.mark("deepspeed", "mapped", f"Megatron-DeepSpeed: plan.stages[*].zero = {stage} (--zero-stage)")
+        ctx.mark_or_default("zero_stage", "mapped", f"plan.stages[*].zero = {stage}")
+        return stage
+    ctx.mark("zero_stage", "ignored", "used only with --deepspeed (Megatron-DeepSpeed)")
     dist_opt = bool(ctx.get("use_distributed_optimizer"))
     strategy = ctx.get("data_parallel_sharding_strategy")
     if ctx.get("use_torch_fsdp2"):

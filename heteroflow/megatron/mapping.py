@@ -284,6 +284,12 @@ def _tokenizer_size(ctx: Context, kind: str | None, override: int | None) -> tup
         return vocab_size + 1, f"NullTokenizer: --vocab-size {vocab_size} + 1 end-of-document token"
     if kind == "GPT2BPETokenizer":
         return _GPT2_VOCAB, f"GPT-2 BPE {_GPT2_VOCAB} tokens"
+    if kind is None and ctx.given("vocab_file") and ctx.given("merge_file"):
+        detail = ("no --tokenizer-type: a vocab and a merge file are GPT-2 BPE files (older Megatron's tokenizer); "
+                  f"{_GPT2_VOCAB} tokens")
+        ctx.mark("vocab_file", "approximated", detail)
+        ctx.mark("merge_file", "approximated", detail)
+        return _GPT2_VOCAB, f"GPT-2 BPE {_GPT2_VOCAB} tokens (from --vocab-file / --merge-file)"
     if kind is None and not ctx.given("tokenizer_type") and vocab_size is None:
         ctx.error("the tokenizer is not given (--tokenizer-type), so the vocabulary size is unknown; pass "
                   "--vocab-size N to heteroflow import-megatron")

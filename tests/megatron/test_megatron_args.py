@@ -121,3 +121,19 @@ def test_no_launch_is_a_clear_error():
         find_launch(run_script("echo hello\n").commands)
     with pytest.raises(UserError, match="training script's path is not known"):
         find_launch(run_script("torchrun --nproc_per_node 8 $SCRIPT --num-layers 2\n").commands)
+
+
+def test_srun_wrapping_torchrun_gives_the_node_count():
+    script = 'srun -N 4 bash -c "torchrun --nnodes $SLURM_NNODES --nproc_per_node 8 pretrain_gpt.py --bf16"\n'
+    launch = find_launch(run_script(script).commands)
+    assert (launch.launcher, launch.nnodes, launch.nproc_per_node) == ("torchrun", 4, 8)
+    assert [f.text for f in launch.argv] == ["--bf16"]
+
+
+def test_arguments_passed_through_with_dollar_at(tmp_path):
+    from heteroflow.megatron import ImportOptions, import_megatron
+    from megatron_helpers import BASE_ARGS
+    script = tmp_path / "run.sh"
+    script.write_text('torchrun --nproc_per_node 8 pretrain_gpt.py "$@"\n')
+    result = import_megatron(script, ImportOptions(device_type="cpu", script_args=tuple(BASE_ARGS.split())))
+    assert result.job.model.num_layers == 8 and result.layout.dp == 8

@@ -206,3 +206,27 @@ def test_the_imported_jobs_validate_when_written(tmp_path):
         path.write_text(result.job_yaml())
         job = load_job(path)
         assert job.model == result.job.model and job.plan.to_dict() == result.job.plan.to_dict()
+
+
+# -- other common styles -------------------------------------------------------------------------
+def test_arguments_in_multiline_strings_ascend_style():
+    result = import_megatron(SCRIPTS / "pretrain_llama2_70b_ascend.sh", ImportOptions(device_type="ascend-910b2"))
+    job = result.job
+    assert result.report.launcher.startswith("torch.distributed.launch pretrain_gpt.py")
+    assert (job.model.num_layers, job.model.num_kv_heads, job.model.vocab_size) == (80, 8, 32000)
+    assert [(s.devices, s.tp, s.sp, s.layers) for s in job.plan.stages] == [(("node-0",), 8, True, 40),
+                                                                           (("node-1",), 8, True, 40)]
+    assert job.train.warmup_steps == 50  # --lr-warmup-fraction 0.01 of 5000 steps
+    assert entry(result, "--use-fused-rmsnorm").disposition == "ignored"
+    assert any("$CKPT_LOAD_DIR" in n for n in result.report.script_notes)
+
+
+def test_megatron_deepspeed_options_string_and_eval():
+    result = import_megatron(SCRIPTS / "ds_pretrain_gpt_350m.sh", ImportOptions(device_type="nvidia-a100-80g"))
+    job = result.job
+    assert result.report.launcher.startswith("deepspeed pretrain_gpt.py (line 59)")  # the eval, not the echo
+    assert [(s.tp, s.dp, s.zero, s.recompute) for s in job.plan.stages] == [(2, 2, 1, "full")] * 2
+    assert job.model.vocab_size == 50432 and job.train.precision == "fp16"  # 50257 to a multiple of 128 x tp 2
+    assert entry(result, "--zero-stage").detail == "plan.stages[*].zero = 1"
+    assert entry(result, "--deepspeed_config").disposition == "ignored"
+    assert entry(result, "--vocab-file").disposition == "approximated"

@@ -362,3 +362,14 @@ def test_redirections_and_pipes_are_dropped():
     result = run("torchrun a.py --x 1 2>&1 | tee log.txt > /dev/null\n")
     assert [f.text for f in result.commands[0].fields] == ["torchrun", "a.py", "--x", "1"]
     assert [f.text for f in result.commands[1].fields] == ["tee", "log.txt"]
+
+
+def test_bash_c_inside_a_wrapper_keeps_the_wrapper_words():
+    script = """
+    srun --nodes 4 --ntasks-per-node 1 bash -c "torchrun --nnodes $SLURM_NNODES --nproc_per_node 8 pretrain_gpt.py --bf16"
+    """
+    result = run(script)
+    texts = [f.text for f in result.commands[0].fields]
+    assert texts[:5] == ["srun", "--nodes", "4", "--ntasks-per-node", "1"]
+    assert texts[5:9] == ["torchrun", "--nnodes", "$SLURM_NNODES", "--nproc_per_node"]
+    assert not result.commands[0].fields[7].known

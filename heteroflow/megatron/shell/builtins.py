@@ -74,10 +74,7 @@ def _b_unset(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
 
 
 def _b_eval(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
-    if not all(a.known for a in args):
-        interp.env.note("`eval` of a string with unknown parts is not interpreted")
-        return None
-    return interp.run_text(" ".join(a.text for a in args), node.line, "eval")
+    return interp.run_text(" ".join(a.raw for a in args), node.line, "eval")
 
 
 def _b_shell(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
@@ -85,13 +82,11 @@ def _b_shell(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
     if "-c" in texts and texts.index("-c") + 1 < len(args):
         k = texts.index("-c")
         script = args[k + 1]
-        if not script.known:
-            interp.env.note("`bash -c` with an unknown string is not interpreted")
-            return None
         saved = interp.env.positionals
         interp.env.positionals = list(args[k + 3:])
         try:
-            return interp.run_text(script.text, node.line, "bash -c")
+            # The raw text keeps unknown parts marked, so they stay unknown words inside the string.
+            return interp.run_text(script.raw, node.line, "bash -c")
         finally:
             interp.env.positionals = saved
     interp.env.note(f"`{' '.join(texts)}` runs another script, which is not followed")

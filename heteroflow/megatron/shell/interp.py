@@ -28,6 +28,9 @@ from heteroflow.megatron.shell.parser import parse_script
 MAX_STEPS = 200_000
 MAX_LOOP_ITERATIONS = 10_000
 MAX_EVAL_DEPTH = 16
+_WRAPPERS = {"srun", "mpirun", "mpiexec", "env", "nohup", "time", "exec", "numactl", "taskset", "nice", "timeout",
+             "stdbuf", "docker", "singularity", "apptainer", "enroot", "pdsh", "ssh", "sudo"}
+"""Commands that run another command; `WRAPPER ... bash -c STRING` has STRING read as script text."""
 _NOT_RUN_QUIETLY = {"echo", "printf", "mkdir", "cd", "pushd", "popd", "set", "date", "sleep", "wait", "trap",
                     "ulimit", "umask", "hostname", "nvidia-smi", "rocm-smi", "npu-smi", "touch", "ls", "pwd",
                     "module", "conda", "tee", "cat", "rm", "cp", "mv", "ln", "chmod", "which", "env"}
@@ -71,6 +74,8 @@ class Interpreter:
         self.steps = 0
         self.in_condition = 0
         self.eval_depth = 0
+        self.command_prefix: tuple[Field, ...] = ()
+        """Words of a wrapper (`srun ...`) whose `bash -c` string is being read."""
         self.line_override: int | None = None
         """Inside `eval` / `bash -c` strings: the line of the outer command, for reports."""
 
@@ -255,7 +260,20 @@ class Interpreter:
         handler = BUILTINS.get(name or "")
         if handler is not None:
             return handler(self, args, node)
-        self.commands.append(Command(tuple(fields), line, prefix))
+        shell_at = None
+        if fields[0].text.rsplit("/", 1)[-1] in _WRAPPERS:
+            shell_at = next((j for j, f in enumerate(fields[1:], 1) if f.text.rsplit("/", 1)[-1] in ("bash", "sh")
+                             and j + 2 < len(fields) and fields[j + 1].text == "-c"), None)
+        if shell_at is not None:
+            # `srun ... bash -c "torchrun ..."`: read the string, keeping the wrapper's words in front of
+            # every command it runs so the launcher still sees `srun -N 4`.
+            saved = self.command_prefix
+            self.command_prefix = saved + tuple(fields[:shell_at])
+            try:
+                return BUILTINS["bash"](self, fields[shell_at + 1:], node)
+            finally:
+                self.command_prefix = saved
+        self.commands.append(Command(self.command_prefix + tuple(fields), line, prefix))
         if self.in_condition and name not in _NOT_RUN_QUIETLY:
             self.env.note(f"`{' '.join(f.text for f in fields)[:80]}` is not run; assumed to succeed")
         return True
