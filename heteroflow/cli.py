@@ -68,37 +68,10 @@ def run_import_megatron(args: argparse.Namespace):
 
 
 def cmd_import_megatron(args: argparse.Namespace) -> int:
-    """Import a Megatron-LM launch script / YAML as a job.
-
-    Output: without -o the job YAML goes to stdout and the report to stderr (so `> job.yaml` works);
-    with -o the job is written there and the report goes to stdout; --json prints one document instead.
-    """
-    import yaml
+    """Import a Megatron-LM launch script / YAML as a job (see `heteroflow.megatron.output` for the streams)."""
+    from heteroflow.megatron.output import emit
     result = run_import_megatron(args)
-    if args.json:
-        _print_json(result.to_json())
-    if result.blocked:
-        if not args.json:
-            print(result.report.format(), file=sys.stderr)
-        raise UserError("not imported: " + "; ".join(result.report.blockers))
-    report_stream = sys.stdout if (args.output or args.json) else sys.stderr
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(result.job_yaml())
-    elif not args.json:
-        sys.stdout.write(result.job_yaml())
-    if args.plan_out:
-        with open(args.plan_out, "w", encoding="utf-8") as f:
-            yaml.safe_dump(result.plan_dict(), f, sort_keys=False)
-    if not args.json:
-        print(result.report.format(), file=report_stream)
-        for path in (args.output, args.plan_out):
-            if path:
-                print(f"wrote {path}", file=report_stream)
-    if result.needs_device_type:
-        print("heteroflow import-megatron: note: the job's nodes have the placeholder device type `<set-me>`; "
-              "set it, or re-run with --device-type NAME or --cluster CLUSTER.yaml", file=sys.stderr)
-    return 0
+    return emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:

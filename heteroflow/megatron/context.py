@@ -85,6 +85,10 @@ class Context:
             shown = _show(self.get(dest))
         self.defaults.append(Entry(self.key(dest), shown, disposition, detail, None, "default"))
 
+    def default_value(self, dest: str, value: object, detail: str) -> None:
+        """Record a value Megatron derives when the source leaves `dest` unset (mapped into the job)."""
+        self.defaults.append(Entry(self.key(dest), _show(value), "mapped", detail, None, "default"))
+
     def mark_or_default(self, dest: str, disposition: str, detail: str) -> None:
         """`mark` when given, else `default`."""
         if self.given(dest):

@@ -1,7 +1,8 @@
 """`import_megatron`: a Megatron-LM launch script, `--yaml-cfg` file or NeMo model YAML -> a heteroflow job.
 
 The job carries an explicit plan equal to the Megatron layout (one stage per pipeline rank, each with
-Megatron's tp / cp / dp), so `heteroflow plan --evaluate` can price it and the planner can compare.
+Megatron's tp / cp / dp), so `heteroflow plan --evaluate` can price it; a comparison with the planner's
+best plan takes `result.job` (the Megatron plan) and `result.job.with_plan(None)` (planner's choice).
 Cluster: `--cluster FILE` places the layout on that cluster; `--device-type NAME` makes nodes node-0..
 of that type from the launcher's sizes; with neither, the nodes get the device type `<set-me>`, which
 `heteroflow validate` rejects until the user names their chip (the rest of the job is validated with a
@@ -171,8 +172,11 @@ class _Source:
 
 
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
-    run = run_script(_read_text(path), args=options.script_args, env=options.env, script_name=str(path))
-    launch = find_launch(run.commands)
+    try:
+        run = run_script(_read_text(path), args=options.script_args, env=options.env, script_name=str(path))
+        launch = find_launch(run.commands)
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}") from None
     args = parse_argv(launch.argv, launch.line)
     notes = list(run.notes) + list(launch.notes)
     for name, line in sorted(run.missing.items(), key=lambda kv: kv[1]):

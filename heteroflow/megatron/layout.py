@@ -254,8 +254,8 @@ def _batches(ctx: Context, dp: int) -> tuple[int | None, int]:
     gbs = ctx.value("global_batch_size")
     if gbs is None:
         gbs = mbs * dp
-        ctx.defaults.append(_default_entry(ctx, "global_batch_size", gbs, f"train.global_batch_size = {gbs} "
-                                           f"(Megatron's default: micro-batch {mbs} x dp {dp})"))
+        ctx.default_value("global_batch_size", gbs, f"train.global_batch_size = {gbs} (Megatron's default: "
+                                                    f"micro-batch {mbs} x dp {dp})")
     elif gbs % (mbs * dp):
         ctx.error(f"global batch size ({gbs}) is not divisible by micro batch size ({mbs}) times data parallel "
                   f"size ({dp})")
@@ -268,11 +268,6 @@ def _batches(ctx: Context, dp: int) -> tuple[int | None, int]:
         ctx.mark("rampup_batch_size", "approximated", f"heteroflow trains with the final global batch {gbs} "
                                                       "from the first step (no ramp-up)")
     return mbs, gbs
-
-
-def _default_entry(ctx: Context, dest: str, value: object, detail: str):
-    from heteroflow.megatron.report import Entry
-    return Entry(ctx.key(dest), str(value), "mapped", detail, None, "default")
 
 
 def _zero(ctx: Context, pp: int) -> int:

@@ -260,13 +260,8 @@ def _vocab(ctx: Context, tp: int, override: int | None) -> int | None:
     for dest in ("tokenizer_type", "vocab_size", "make_vocab_size_divisible_by"):
         ctx.mark(dest, "mapped", detail)
     if not ctx.given("make_vocab_size_divisible_by"):
-        ctx.defaults.append(_entry(ctx, "make_vocab_size_divisible_by", detail))
+        ctx.default_value("make_vocab_size_divisible_by", ctx.get("make_vocab_size_divisible_by"), detail)
     return size
-
-
-def _entry(ctx: Context, dest: str, detail: str):
-    from heteroflow.megatron.report import Entry
-    return Entry(ctx.key(dest), str(ctx.get(dest)), "mapped", detail, None, "default")
 
 
 def _tokenizer_size(ctx: Context, kind: str | None, override: int | None) -> tuple[int | None, str]:

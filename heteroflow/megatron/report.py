@@ -12,7 +12,7 @@ Megatron defaults that matter to the job are listed too (origin `default`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 DISPOSITIONS = ("mapped", "approximated", "ignored", "unsupported", "unknown")
 
@@ -147,14 +147,3 @@ def _line(e: Entry) -> str:
     if e.origin == "default":
         return "  (Megatron default)"
     return f"  (line {e.line})" if e.line else ""
-
-
-@dataclass
-class Ledger:
-    """Collects entries while the importer works; later entries never replace earlier ones."""
-
-    entries: list[Entry] = field(default_factory=list)
-
-    def add(self, entry: Entry) -> None:
-        """Record one entry."""
-        self.entries.append(entry)

@@ -97,3 +97,11 @@ def test_env_and_cluster_options(tmp_path):
     assert result.returncode == 0, result.stderr
     stages = json.loads(result.stdout)["job"]["plan"]["stages"]
     assert [(s["devices"], s["tp"], s["dp"]) for s in stages] == [(["dcu-0:0-3"], 4, 1), (["dcu-0:4-7"], 4, 1)]
+
+
+def test_shell_syntax_errors_name_the_file_and_line(tmp_path):
+    script = tmp_path / "broken.sh"
+    script.write_text('ARGS=(\n  --num-layers 2\ntorchrun pretrain_gpt.py "${ARGS[@]}\n')
+    result = heteroflow("import-megatron", str(script))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{script}: line 3: unterminated double quote" in result.stderr
