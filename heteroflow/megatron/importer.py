@@ -172,8 +172,9 @@ class _Source:
 
 
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
+    text = _read_text(path)
     try:
-        run = run_script(_read_text(path), args=options.script_args, env=options.env, script_name=str(path))
+        run = run_script(text, args=options.script_args, env=options.env, script_name=str(path))
         launch = find_launch(run.commands)
     except UserError as exc:
         raise UserError(f"{path}: {exc}") from None

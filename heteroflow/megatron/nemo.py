@@ -153,6 +153,10 @@ def read_nemo_yaml(data: dict) -> tuple[MegatronArgs, list[Entry], list[str], in
                   else "not part of the model or its training")
             continue
         _model_key(rest, key, value, values, max_steps, item, entry, blockers)
+    if nproc and "trainer.num_nodes" not in values:
+        nnodes = 1
+        entries.append(Entry("trainer.num_nodes", "(absent)", "mapped", "cluster: 1 node (Lightning's default)", None,
+                             "yaml"))
     if "model.optim.sched.name" not in values:
         items.append(("model.optim.sched", "lr_decay_style", "constant", "(absent: NeMo keeps the lr constant)"))
     problems: list[str] = []

@@ -121,7 +121,7 @@ class Lexer:
         last = self.out[-1]
         if last.kind in ("newline", "op"):
             return last.text in ("\n", ";", "&&", "||", "|", "(", "&", ";;")
-        return last.plain in ("if", "then", "elif", "else", "do", "while", "until", "!", "{")
+        return last.plain in ("if", "then", "elif", "else", "do", "while", "until", "!", "{", "for")
 
     # -- main loop -------------------------------------------------------------------------------
     def tokens(self) -> list[Token]:
