@@ -26,6 +26,8 @@ class Context:
     blockers: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    spelling: object = None
+    """For YAML sources: destination -> the key the source would use (messages name keys, not flags)."""
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, dest: str):
@@ -41,6 +43,8 @@ class Context:
         setting = self.args.setting(dest)
         if setting is not None:
             return setting.key
+        if self.spelling is not None:
+            return self.spelling(dest)
         definition = by_dest().get(dest)
         return definition.flag if definition else dest
 
@@ -83,11 +87,11 @@ class Context:
             shown = "(not given)"  # a switch left off: its Megatron default is in the detail
         else:
             shown = _show(self.get(dest))
-        self.defaults.append(Entry(self.key(dest), shown, disposition, detail, None, "default"))
+        self.defaults.append(Entry(_flag(dest), shown, disposition, detail, None, "default"))
 
     def default_value(self, dest: str, value: object, detail: str) -> None:
         """Record a value Megatron derives when the source leaves `dest` unset (mapped into the job)."""
-        self.defaults.append(Entry(self.key(dest), _show(value), "mapped", detail, None, "default"))
+        self.defaults.append(Entry(_flag(dest), _show(value), "mapped", detail, None, "default"))
 
     def mark_or_default(self, dest: str, disposition: str, detail: str) -> None:
         """`mark` when given, else `default`."""
@@ -137,6 +141,12 @@ class Context:
                                               "flag?); it is not used")
         assert group == MAPPED, setting
         return _entry(setting, "ignored", NO_RULE)
+
+
+def _flag(dest: str) -> str:
+    """Megatron's flag for `dest` (defaults are Megatron's, whatever the source's format)."""
+    definition = by_dest().get(dest)
+    return definition.flag if definition else dest
 
 
 def _where(setting: Setting) -> str:

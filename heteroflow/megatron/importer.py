@@ -27,12 +27,12 @@ from heteroflow.megatron.features import check_features
 from heteroflow.megatron.launcher import Launch, find_launch
 from heteroflow.megatron.layout import MegatronLayout, map_layout
 from heteroflow.megatron.mapping import map_model
-from heteroflow.megatron.nemo import read_nemo_yaml
+from heteroflow.megatron.nemo import nemo_key, read_nemo_yaml
 from heteroflow.megatron.placement import PLACEHOLDER_DEVICE, generated_cluster, plan_section
 from heteroflow.megatron.report import Entry, ImportReport, LayoutSummary
 from heteroflow.megatron.shell import run_script
 from heteroflow.megatron.training import map_train
-from heteroflow.megatron.yaml_cfg import read_megatron_yaml
+from heteroflow.megatron.yaml_cfg import read_megatron_yaml, yaml_key
 
 _STAND_IN_DEVICE = "cpu"
 
@@ -169,6 +169,8 @@ class _Source:
     nnodes: int | None = None
     nproc_per_node: int | None = None
     program: str | None = None
+    spelling: object = None
+    """How the source names a missing argument (None: as a Megatron flag)."""
 
 
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
@@ -202,7 +204,7 @@ def _read_shell(path: Path, options: ImportOptions) -> _Source:
                    for s in args.settings if s.dest != "yaml_cfg"]
         ignored.insert(0, Entry(yaml_cfg.key, yaml_cfg.shown, "mapped", f"arguments read from {cfg_path}",
                                 yaml_cfg.line, "script"))
-        source.args, source.kind = yaml_args, "shell + megatron-yaml"
+        source.args, source.kind, source.spelling = yaml_args, "shell + megatron-yaml", yaml_key
         source.entries += ignored + yaml_entries
     return source
 
@@ -214,9 +216,9 @@ def _read_source(path: Path, options: ImportOptions) -> _Source:
     kind = _source_kind(path, data)
     if kind == "nemo-yaml":
         args, entries, blockers, nnodes, nproc = read_nemo_yaml(data)
-        return _Source(kind, args, entries, [], blockers, None, nnodes, nproc, "pretrain_gpt.py")
+        return _Source(kind, args, entries, [], blockers, None, nnodes, nproc, "pretrain_gpt.py", nemo_key)
     args, entries = read_megatron_yaml(data)
-    return _Source(kind, args, entries, [], [], None, None, None, "pretrain_gpt.py")
+    return _Source(kind, args, entries, [], [], None, None, None, "pretrain_gpt.py", yaml_key)
 
 
 def _load_cluster(path: str | os.PathLike) -> ClusterSpec:
@@ -270,7 +272,7 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
     notes = list(source.notes)
     if options.device_type is not None and cluster is not None:
         notes.append(f"--device-type {options.device_type} is not used: the cluster file names the devices")
-    ctx = Context(source.args)
+    ctx = Context(source.args, spelling=source.spelling)
     for problem in source.args.problems:
         ctx.error(f"{problem} (Megatron's argument parser rejects it)")
     for blocker in source.blockers:

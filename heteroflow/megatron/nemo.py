@@ -295,3 +295,14 @@ def _optim_key(rest: str, key: str, value, values: dict, max_steps, item, entry)
             entry(key, value, "mapped", "no constant phase after the decay")
     else:
         entry(key, value, "ignored", "optimizer detail heteroflow does not use")
+
+
+_NEMO_KEYS = {dest: f"model.{name}" for name, dest in _RENAMED.items()}
+_NEMO_KEYS.update({"train_iters": "trainer.max_steps", "clip_grad": "trainer.gradient_clip_val",
+                   "lr": "model.optim.lr", "min_lr": "model.optim.sched.min_lr",
+                   "weight_decay": "model.optim.weight_decay", "tokenizer_type": "model.tokenizer.type"})
+
+
+def nemo_key(dest: str) -> str:
+    """Where a NeMo config keeps `dest` (for messages about missing values)."""
+    return _NEMO_KEYS.get(dest, f"model.{dest}")

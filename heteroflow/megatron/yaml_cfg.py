@@ -136,3 +136,19 @@ def read_megatron_yaml(data: dict, origin: str = "yaml") -> tuple[MegatronArgs, 
     problems: list[str] = []
     settings, entries = settings_from_mapping(items, origin, problems, _SHADOWED)
     return build_args(settings, (), problems), entries
+
+
+_LANGUAGE_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                   "kv_channels", "hidden_dropout", "attention_dropout", "add_bias_linear", "add_qkv_bias",
+                   "normalization", "recompute_granularity", "recompute_method", "recompute_num_layers")
+_MODEL_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                   "sequence_parallel", "fp16", "bf16")
+
+
+def yaml_key(dest: str) -> str:
+    """Where a --yaml-cfg file keeps `dest` (for messages about missing values)."""
+    if dest in _LANGUAGE_MODEL:
+        return f"language_model.{dest}"
+    if dest == "norm_epsilon":
+        return "language_model.layernorm_epsilon"
+    return f"model_parallel.{dest}" if dest in _MODEL_PARALLEL else dest
