@@ -48,6 +48,32 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            raise UserError(f"--env expects NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
+
+
+def run_import_megatron(args: argparse.Namespace):
+    """Import the source named on the command line; returns the `ImportResult`."""
+    from heteroflow.megatron import ImportOptions, import_megatron
+    options = ImportOptions(cluster=args.cluster, device_type=args.device_type, script_args=tuple(args.script_args),
+                            env=_env_pairs(args.env), nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                            vocab_size=args.vocab_size)
+    return import_megatron(args.source, options)
+
+
+def cmd_import_megatron(args: argparse.Namespace) -> int:
+    """Import a Megatron-LM launch script / YAML as a job (see `heteroflow.megatron.output` for the streams)."""
+    from heteroflow.megatron.output import emit
+    result = run_import_megatron(args)
+    return emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="heteroflow", description="Train Transformers on mixed-vendor clusters.")
@@ -65,6 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("validate", cmd_validate, "check a job YAML file")
     p.add_argument("job", metavar="JOB.yaml")
+
+    p = add("import-megatron", cmd_import_megatron,
+            "turn a Megatron-LM launch script, --yaml-cfg file or NeMo model YAML into a job (never runs it)")
+    p.add_argument("source", metavar="SCRIPT.sh|CONFIG.yaml")
+    p.add_argument("script_args", nargs="*", metavar="ARG", help="positional parameters $1 $2 ... of the script")
+    p.add_argument("-o", "--output", metavar="JOB.yaml", help="write the job here (default: stdout)")
+    p.add_argument("--plan-out", metavar="PLAN.yaml", help="also write the Megatron layout as a plan file")
+    p.add_argument("--cluster", metavar="CLUSTER.yaml", help="place the layout on this cluster (top-level cluster:)")
+    p.add_argument("--device-type", metavar="NAME", help="device type of the nodes the launcher describes")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable the script reads from its environment (repeatable)")
+    p.add_argument("--nnodes", type=int, metavar="N", help="number of nodes, when the source does not say")
+    p.add_argument("--nproc-per-node", type=int, metavar="N", help="devices per node, when the source does not say")
+    p.add_argument("--vocab-size", type=int, metavar="N",
+                   help="tokenizer vocabulary size (before Megatron's padding), when it cannot be told")
+    p.add_argument("--json", action="store_true", help="print one JSON document (job and report)")
     return parser
 
 

@@ -1,0 +1,131 @@
+"""Shell builtins the interpreter understands (test, set, shift, eval, bash -c, exit, ...), and the
+exceptions that carry `exit`, `return`, `break` and `continue` out of nested nodes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from heteroflow.megatron.shell.conditions import Truth, evaluate_test
+from heteroflow.megatron.shell.errors import ShellSyntaxError
+from heteroflow.megatron.shell.expand import Field
+from heteroflow.megatron.shell.nodes import Simple
+
+if TYPE_CHECKING:
+    from heteroflow.megatron.shell.interp import Interpreter
+
+
+class Exit(Exception):
+    """`exit`: stop reading the script."""
+
+    def __init__(self, line: int):
+        self.line = line
+
+
+class Return(Exception):
+    """`return` from a function."""
+
+
+class LoopControl(Exception):
+    """`break` / `continue` out of `levels` loops."""
+
+    def __init__(self, kind: str, levels: int):
+        self.kind = kind
+        self.levels = levels
+
+
+def _b_true(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    return True
+
+
+def _b_false(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    return False
+
+
+def _b_test(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    return evaluate_test(args, interp.env)
+
+
+def _b_bracket(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    if not args or args[-1].text != "]":
+        raise ShellSyntaxError(f"line {node.line}: `[` without its closing `]`")
+    return evaluate_test(args[:-1], interp.env)
+
+
+def _b_set(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    texts = [a.text for a in args]
+    if "--" in texts:
+        interp.env.positionals = list(args[texts.index("--") + 1:])
+    elif args and not texts[0].startswith(("-", "+")):
+        interp.env.positionals = list(args)
+    return True
+
+
+def _b_shift(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    n = int(args[0].text) if args and args[0].known and args[0].text.isdigit() else 1
+    interp.env.positionals = interp.env.positionals[n:]
+    return True
+
+
+def _b_unset(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    for arg in args:
+        if not arg.text.startswith("-"):
+            interp.env.vars.pop(arg.text, None)
+    return True
+
+
+def _b_eval(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    return interp.run_text(" ".join(a.raw for a in args), node.line, "eval")
+
+
+def _b_shell(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    texts = [a.text for a in args]
+    if "-c" in texts and texts.index("-c") + 1 < len(args):
+        k = texts.index("-c")
+        script = args[k + 1]
+        saved = interp.env.positionals
+        interp.env.positionals = list(args[k + 3:])
+        try:
+            # The raw text keeps unknown parts marked, so they stay unknown words inside the string.
+            return interp.run_text(script.raw, node.line, "bash -c")
+        finally:
+            interp.env.positionals = saved
+    interp.env.note(f"`{' '.join(texts)}` runs another script, which is not followed")
+    return True
+
+
+def _b_source(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    target = args[0].text if args else ""
+    interp.env.note(f"`source {target}` is not followed; variables it sets are unknown here "
+                    "(pass them with --env NAME=VALUE)")
+    return True
+
+
+def _b_exit(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    raise Exit(node.line)
+
+
+def _b_return(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    raise Return()
+
+
+def _b_break(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    raise LoopControl("break", int(args[0].text) if args and args[0].text.isdigit() else 1)
+
+
+def _b_continue(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    raise LoopControl("continue", int(args[0].text) if args and args[0].text.isdigit() else 1)
+
+
+def _b_read(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+    for arg in args:
+        if not arg.text.startswith("-"):
+            interp.env.set_scalar(arg.text, Field.unknown(f"$(read {arg.text})"))
+    return None
+
+
+BUILTINS = {
+    "true": _b_true, ":": _b_true, "false": _b_false, "test": _b_test, "[": _b_bracket, "set": _b_set,
+    "shift": _b_shift, "unset": _b_unset, "eval": _b_eval, "bash": _b_shell, "sh": _b_shell,
+    "source": _b_source, ".": _b_source, "exit": _b_exit, "return": _b_return, "break": _b_break,
+    "continue": _b_continue, "read": _b_read,
+}

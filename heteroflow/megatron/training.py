@@ -1,0 +1,204 @@
+"""Megatron arguments -> heteroflow's `train:` section: batches, steps, the learning-rate schedule, Adam,
+precision and data, with Megatron's defaults and rules."""
+
+from __future__ import annotations
+
+from heteroflow.megatron.context import Context
+from heteroflow.megatron.layout import MegatronLayout
+
+
+def map_train(ctx: Context, layout: MegatronLayout, vocab_size: int | None) -> dict:
+    """The `train:` section."""
+    gbs = layout.global_batch_size
+    precision = _precision(ctx)
+    steps = _steps(ctx, gbs)
+    lr = ctx.required("lr", "Megatron has no default learning rate")
+    min_lr = ctx.value("min_lr")
+    if lr is not None and min_lr is not None and min_lr > lr:
+        ctx.error(f"min-lr {min_lr:g} must not exceed lr {lr:g} (Megatron asserts args.min_lr <= args.lr)")
+    ctx.mark("lr", "mapped", f"train.lr = {lr:g}" if lr is not None else "")
+    min_lr = _schedule(ctx, lr, min_lr, steps, gbs)
+    warmup = _warmup(ctx, steps, gbs)
+    wd = _weight_decay(ctx)
+    values = {}
+    for dest, field, heteroflow_default in (("adam_beta1", "adam_beta1", 0.9), ("adam_beta2", "adam_beta2", 0.95),
+                                            ("adam_eps", "adam_eps", 1e-8), ("clip_grad", "grad_clip", 1.0)):
+        values[field] = float(ctx.get(dest))
+        note = "" if ctx.given(dest) or values[field] == heteroflow_default else \
+            f" (Megatron's default; heteroflow's own would be {heteroflow_default:g})"
+        ctx.mark_or_default(dest, "mapped", f"train.{field} = {values[field]:g}{note}")
+    seed = ctx.get("seed")
+    ctx.mark("seed", "mapped", f"train.seed = {seed}")
+    _optimizer(ctx)
+    train = {"global_batch_size": gbs, "micro_batch_size": layout.plan_micro_batch_size, "precision": precision,
+             "steps": steps, "seed": seed, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup, "weight_decay": wd,
+             **values}
+    data = _data(ctx, vocab_size)
+    if data is not None:
+        train["data"] = data
+    return train
+
+
+def _precision(ctx: Context) -> str:
+    fp16, bf16 = bool(ctx.get("fp16")), bool(ctx.get("bf16"))
+    if fp16 and bf16:
+        ctx.error("--fp16 and --bf16 cannot both be set (Megatron asserts not args.bf16 with --fp16)")
+    precision = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    ctx.mark("fp16", "mapped", f"train.precision = {precision}")
+    ctx.mark("bf16", "mapped", f"train.precision = {precision}")
+    if precision == "fp32":
+        ctx.default("bf16", "mapped", "train.precision = fp32 (neither --bf16 nor --fp16)")
+    return precision
+
+
+def _steps(ctx: Context, gbs: int) -> int:
+    iters, samples = ctx.value("train_iters"), ctx.value("train_samples")
+    if iters and samples:
+        ctx.error("--train-iters and --train-samples are exclusive (Megatron: expected iteration-based training)")
+    if iters:
+        for dest, zero in (("lr_decay_samples", None), ("lr_warmup_samples", 0), ("rampup_batch_size", None)):
+            if ctx.get(dest) not in (None, zero):
+                ctx.error(f"{ctx.key(dest)} with --train-iters: Megatron expects iteration-based training to use "
+                          "iteration-based schedule arguments")
+        ctx.mark("train_iters", "mapped", f"train.steps = {iters}")
+        return iters
+    if samples:
+        for dest, zero in (("lr_decay_iters", None), ("lr_warmup_iters", 0)):
+            if ctx.get(dest) not in (None, zero):
+                ctx.error(f"{ctx.key(dest)} with --train-samples: Megatron expects sample-based schedule arguments")
+        steps = max(samples // gbs, 1)
+        ctx.mark("train_samples", "mapped" if samples % gbs == 0 else "approximated",
+                 f"train.steps = {steps} ({samples} samples / global batch {gbs})")
+        return steps
+    if not ctx.errors:
+        ctx.error("neither --train-iters nor --train-samples is given (Megatron needs one of them to train)")
+    return 1
+
+
+def _decay_steps(ctx: Context, steps: int, gbs: int) -> int:
+    if ctx.get("lr_decay_iters"):
+        return ctx.get("lr_decay_iters")
+    if ctx.get("lr_decay_samples"):
+        return max(ctx.get("lr_decay_samples") // gbs, 1)
+    return steps
+
+
+def _schedule(ctx: Context, lr: float | None, min_lr: float | None, steps: int, gbs: int) -> float | None:
+    style = ctx.get("lr_decay_style")
+    decay = _decay_steps(ctx, steps, gbs)
+    if lr is None or min_lr is None:
+        return min_lr
+    if style == "constant":
+        ctx.mark("lr_decay_style", "mapped", f"constant learning rate: train.min_lr = lr = {lr:g}")
+        ctx.mark("min_lr", "ignored", "no decay with --lr-decay-style constant")
+        for dest in ("lr_decay_iters", "lr_decay_samples"):
+            ctx.mark(dest, "ignored", "no decay with --lr-decay-style constant")
+        return lr
+    ctx.mark_or_default("min_lr", "mapped", f"train.min_lr = {min_lr:g}")
+    if style == "cosine":
+        ctx.mark("lr_decay_style", "mapped", "warmup then cosine decay to train.min_lr, as heteroflow")
+    else:
+        ctx.mark_or_default("lr_decay_style", "approximated",
+                            f"heteroflow decays with a cosine; Megatron's {style} decay differs in shape")
+    for dest in ("lr_wsd_decay_style", "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
+        ctx.mark(dest, "approximated" if style == "WSD" else "ignored",
+                 "part of the WSD schedule, approximated by a cosine" if style == "WSD" else "used only by WSD decay")
+    detail = f"decay over all {steps} steps, as heteroflow"
+    disposition = "mapped"
+    if decay != steps:
+        disposition = "approximated"
+        detail = (f"Megatron decays over {decay} steps then holds min_lr; heteroflow's cosine ends at the last of "
+                  f"{steps} steps")
+    ctx.mark("lr_decay_iters", disposition, detail)
+    ctx.mark("lr_decay_samples", disposition, detail)
+    return min_lr
+
+
+def _warmup(ctx: Context, steps: int, gbs: int) -> int:
+    fraction = ctx.get("lr_warmup_fraction")
+    iters, samples = ctx.get("lr_warmup_iters") or 0, ctx.get("lr_warmup_samples") or 0
+    if fraction is not None and (iters or samples):
+        ctx.error("can only specify one of lr-warmup-fraction and lr-warmup-iters / lr-warmup-samples (Megatron)")
+    if fraction is not None:
+        warmup = int(round(fraction * _decay_steps(ctx, steps, gbs)))
+        ctx.mark("lr_warmup_fraction", "mapped", f"train.warmup_steps = {warmup} ({fraction:g} of the decay steps)")
+    elif samples:
+        warmup = int(round(samples / gbs))
+        ctx.mark("lr_warmup_samples", "mapped" if samples % gbs == 0 else "approximated",
+                 f"train.warmup_steps = {warmup} ({samples} samples / global batch {gbs})")
+    else:
+        warmup = iters
+        ctx.mark_or_default("lr_warmup_iters", "mapped", f"train.warmup_steps = {warmup}")
+    ctx.mark("lr_warmup_samples", "mapped", f"train.warmup_steps = {warmup}")
+    init = ctx.get("lr_warmup_init")
+    if init:
+        ctx.mark("lr_warmup_init", "approximated", f"heteroflow warms up from 0, Megatron from {init:g}")
+    else:
+        ctx.mark("lr_warmup_init", "mapped", "warmup from 0, as heteroflow")
+    if ctx.given("warmup"):
+        ctx.error("--warmup argument is no longer valid, use --lr-warmup-fraction instead (Megatron)")
+    return warmup
+
+
+def _weight_decay(ctx: Context) -> float:
+    wd = float(ctx.get("weight_decay"))
+    style = ctx.get("weight_decay_incr_style")
+    start, end = ctx.get("start_weight_decay"), ctx.get("end_weight_decay")
+    if style == "constant":
+        if start is not None or end is not None:
+            ctx.error("--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine "
+                      "(Megatron asserts they are None for constant)")
+        ctx.mark("weight_decay_incr_style", "mapped", "constant weight decay, as heteroflow")
+        note = "" if ctx.given("weight_decay") else " (Megatron's default; heteroflow's own would be 0.1)"
+        ctx.mark_or_default("weight_decay", "mapped", f"train.weight_decay = {wd:g}{note}")
+        return wd
+    if start is None or end is None:
+        ctx.error(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay (Megatron)")
+        return wd
+    detail = f"heteroflow keeps weight decay constant at the final value {end:g}; Megatron ramps {start:g} -> {end:g}"
+    for dest in ("weight_decay_incr_style", "start_weight_decay", "end_weight_decay"):
+        ctx.mark(dest, "approximated", detail)
+    ctx.mark("weight_decay", "ignored", "replaced by --start/--end-weight-decay")
+    return float(end)
+
+
+def _optimizer(ctx: Context) -> None:
+    name = ctx.get("optimizer")
+    if name == "adam":
+        ctx.mark_or_default("optimizer", "mapped", "AdamW (Megatron's adam uses decoupled weight decay), as heteroflow")
+    else:
+        ctx.mark("optimizer", "approximated", f"heteroflow trains with AdamW, not {name}")
+    for dest in ("decoupled_lr", "decoupled_min_lr"):
+        if ctx.get(dest) is not None:
+            ctx.mark(dest, "approximated", "heteroflow uses one learning rate for every layer; Megatron gives the "
+                                           "input and output layers their own")
+    if ctx.get("sft"):
+        ctx.mark("sft", "approximated", "heteroflow trains on a token stream; Megatron's SFT prompt formatting and "
+                                        "loss masking are not reproduced")
+
+
+def _data(ctx: Context, vocab_size: int | None) -> dict | None:
+    if ctx.get("mock_data"):
+        ctx.mark("mock_data", "mapped", "train.data unset: heteroflow's built-in corpus")
+    for dest in ("data_path", "train_data_path"):
+        setting = ctx.args.setting(dest)
+        if setting is None:
+            continue
+        if setting.unresolved:
+            ctx.mark(dest, "ignored", f"the path comes from {', '.join(setting.unresolved)}, which the script does "
+                                      "not set: train.data left unset (pass it to the importer or set train.data)")
+            continue
+        paths = setting.value or []
+        if len(paths) != 1:
+            ctx.mark(dest, "approximated", f"a blend of {len(paths) // 2 or len(paths)} datasets; heteroflow reads "
+                                           "one token file: train.data left unset")
+            continue
+        prefix = paths[0]
+        path = prefix if prefix.endswith(".bin") else prefix + ".bin"
+        # Megatron's preprocess_data.py writes uint16 tokens below 65500 ids, int32 (read as uint32) above.
+        dtype = "uint16" if vocab_size is not None and vocab_size < 65500 else "uint32"
+        where = "" if path.startswith("/") else ", resolved against the job file's directory"
+        ctx.mark(dest, "approximated", f"train.data.path = {path}: Megatron's indexed dataset .bin holds the tokens; "
+                                       f"heteroflow reads it as one stream (no document shuffling, no .idx){where}")
+        return {"path": path, "dtype": dtype}
+    return None
