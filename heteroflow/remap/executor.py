@@ -8,7 +8,10 @@ replicas (a broadcast on the destination stage's own group) and returns the rank
 The executor owns its scratch buffers and reuses them on every call; the output tensor is new on each
 call (a pipeline keeps several micro-batches' activations alive) unless the caller passes `out=`.
 Up to `max_in_flight` calls may be in flight at once (each has its own set of scratch buffers);
-messages of consecutive calls are matched in order, as both backends keep per-peer order.
+messages of consecutive calls are matched in order, as both backends keep per-peer order. Wait for
+handles in the order they were started: the fan-out broadcasts in `wait()` are collectives on the
+replica group, so every member must run them in the same order.
+On CPU, pass `out=` from a pool for large shares: a fresh tensor each call pays page faults.
 """
 
 from __future__ import annotations

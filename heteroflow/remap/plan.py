@@ -8,9 +8,10 @@ The contract, for a source layout S and a destination layout D of the same logic
   other members inside the destination stage, over that stage's own backend (a `FanOut`). So the bytes
   across the boundary are exactly the logical tensor's bytes, whatever the replication on either side;
   `TransferPlan.min_boundary_bytes` is that number and `boundary_bytes` always equals it.
-- Sending is shared: each source share is cut into as many stripes as it has holders and each holder
-  sends one stripe. Receiving is shared the same way over the holders of each destination share.
-  Stripes follow the pieces' natural order, so when shares line up no piece is cut at all.
+- Sending is shared: each source share is cut into as many equal stripes as it has holders (equal up
+  to rounding to whole slices along one dim) and each holder sends one stripe. Receiving is shared
+  the same way over the holders of each destination share. Stripes follow the regions' natural
+  order, so when shares line up no region is cut at all and each message is one contiguous block.
 - Source replicas are either `identical` (each holds the full value, e.g. an activation after the
   stage's TP all-reduce, or a gradient after the stage's own TP reduction) or `partial` (each holds a
   partial sum, e.g. an input gradient before the TP all-reduce). For `partial`, each piece is first

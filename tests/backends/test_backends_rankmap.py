@@ -85,3 +85,12 @@ def test_vendor_backends_and_boundary_kinds():
     # Different vendors, a CPU side, and AMD vs Hygon (different RCCL builds) all go through the bridge.
     assert {boundary_kind(*pair) for pair in [("nvidia", "ascend"), ("ascend", "hygon"), ("cpu", "cpu"),
                                               ("nvidia", "cpu"), ("amd", "hygon")]} == {BRIDGE}
+
+
+def test_planning_side_imports_need_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, heteroflow.remap, heteroflow.backends; from heteroflow.backends import RankMap; "
+            "from heteroflow.remap import plan_transfer; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
