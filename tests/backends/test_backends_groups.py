@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from heteroflow.backends import BRIDGE, DIRECT, RankMap, StageBoundary, build_process_groups
+from heteroflow.backends import BRIDGE, DIRECT, RankMap, StageBoundary, build_process_groups, init_world
 from heteroflow.config import parse_job
 from heteroflow.remap.local import shard
 from heteroflow.testing import run_ranks
@@ -120,6 +120,14 @@ def test_groups_and_boundaries_of_a_mixed_vendor_plan():
 def cpu_worker(rank: int, world_size: int) -> dict:
     config = cpu_job()
     ranks = RankMap.from_plan(config.plan, config.cluster)
+    assert init_world(ranks) == rank  # joined already (by the harness): only checked
+    mixed = mixed_job()
+    try:
+        init_world(RankMap.from_plan(mixed.plan, mixed.cluster))
+    except ValueError as error:
+        assert "the plan has 8 ranks but 4 processes were launched" in str(error)
+    else:
+        raise AssertionError("a world of the wrong size was accepted")
     groups = build_process_groups(ranks)  # not emulated: a CPU cluster really runs on gloo
     k = 0
     _exchange(groups, k, "identical", seed=3)
