@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--dst", default="tp1,dp4")
     parser.add_argument("--shape", default="4,1024,4096", type=lambda s: [int(v) for v in s.split(",")])
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk-mb", type=int, default=4)
     parser.add_argument("--variants", default="bridge,bridge:reuse,bridge+staging:reuse,direct:reuse",

@@ -130,6 +130,11 @@ class HostBridge:
         self._banks: list[_Bank] = []
         self._next_bank = 0
 
+    @property
+    def num_banks(self) -> int:
+        """Host staging banks allocated so far (two in steady state with two calls in flight)."""
+        return len(self._banks)
+
     def _staged(self, t: torch.Tensor) -> bool:
         return t.device.type != "cpu" or self.stage_host_tensors
 

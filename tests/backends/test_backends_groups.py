@@ -84,7 +84,8 @@ def mixed_worker(rank: int, world_size: int) -> dict:
             _exchange(groups, k, "identical", seed=k)
             _exchange(groups, k, "partial", seed=10 + k)
     links = {name: None if link is None else {"kind": link.kind, "backend": link.backend, "ranks": link.ranks,
-                                              "transport": link.transport.kind, "stats": link.transport.stats}
+                                              "transport": link.transport.kind, "stats": link.transport.stats,
+                                              "banks": getattr(link.transport, "num_banks", 0)}
              for name, link in (("prev", groups.prev), ("next", groups.next))}
     return {"stage": stage, "tp": _ranks(groups.tp), "dp": _ranks(groups.dp), "cp": _ranks(groups.cp),
             "stage_ranks": _ranks(groups.stage), "fanout": _ranks(groups.fanout), "links": links,
@@ -113,6 +114,9 @@ def test_groups_and_boundaries_of_a_mixed_vendor_plan():
     assert results[2]["links"]["next"]["transport"] == BRIDGE
     assert results[6]["links"]["prev"]["kind"] == BRIDGE
     assert all(results[r]["links"]["next"]["stats"].bytes_staged == 0 for r in (0, 1))
+    # Two micro-batches in flight each way: the bridge double-buffers with two host banks, no more.
+    assert [results[r]["links"]["next"]["banks"] for r in (2, 3)] == [2, 2]
+    assert all(results[r]["links"]["prev"]["banks"] == 2 for r in range(4, 8))
     staged = sum(results[r]["links"]["prev"]["stats"].bytes_staged for r in range(4, 8))
     assert staged > 0 and sum(results[r]["links"]["prev"]["stats"].chunks for r in range(4, 8)) >= staged // 256
 
