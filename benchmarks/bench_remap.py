@@ -3,8 +3,8 @@
     python benchmarks/bench_remap.py                      # [4, 1024, 4096] fp32, tp2 dp2 -> tp1 dp4
     python benchmarks/bench_remap.py --src tp1,dp4 --dst tp2,dp2 --dtype bf16
 
-Local processes over gloo (one per rank, source stage first). In the same run and interleaved, so
-both see the same machine load, it times:
+Local processes over gloo (one per rank, source stage first). In the same run, interleaved in a
+shuffled order so all see the same machine load, it times:
 - `plain`: the plan's (source, destination, bytes) messages as preallocated contiguous tensors,
   isend/irecv straight on gloo: no slicing, no packing, no fan-out, no staging;
 - `remap/<transport>`: RemapExecutor.start(share).wait() through the given transports, with a new
@@ -22,6 +22,7 @@ figure is the median. Ratio = plain time / remap time (= remap throughput / plai
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -111,11 +112,15 @@ def worker(rank: int, world_size: int, args) -> dict:
             w.wait()
 
     times: dict[str, list[float]] = {**{k: [] for k in messages}, **{f"remap/{n}": [] for n in executors}}
+    runs = {key: (lambda key=key: plain(key)) for key in messages}
+    runs.update({f"remap/{name}": (lambda ex=ex, out=outs[name]: ex.start(local, out=out).wait())
+                 for name, ex in executors.items()})
     for repeat in range(args.warmup + args.repeats):
-        # Interleaved so that every variant sees the same machine load.
-        samples = {key: _timed(lambda key=key: plain(key)) for key in messages}
-        for name, ex in executors.items():
-            samples[f"remap/{name}"] = _timed(lambda ex=ex, out=outs[name]: ex.start(local, out=out).wait())
+        # Interleaved, in a shuffled order (the same on every rank), so that every variant sees the same
+        # machine load and none always runs first.
+        order = list(runs)
+        random.Random(repeat).shuffle(order)
+        samples = {key: _timed(runs[key]) for key in order}
         if repeat >= args.warmup:
             for key, value in samples.items():
                 times[key].append(value)
@@ -159,7 +164,7 @@ def main() -> None:
     elem = r["min_bytes"] // numel
     print(f"remap {args.dtype} {list(args.shape)} ({r['min_bytes'] / 2**20:.1f} MiB): {r['summary']}")
     print(f"ranks: {world} local processes over gloo, 1 thread each; {args.repeats} repeats after {args.warmup} "
-          f"warm-up, interleaved; median of the slowest rank; torch {torch.__version__}")
+          f"warm-up, interleaved in shuffled order; median of the slowest rank; torch {torch.__version__}")
     print(f"bytes across the boundary: {r['boundary_bytes']} = {r['boundary_bytes'] / r['min_bytes']:.4f} x minimum "
           f"({numel} elements x {elem} B); sending every destination rank its whole share would move "
           f"{r['naive_bytes'] / r['min_bytes']:.2f} x")

@@ -3,14 +3,17 @@
 `start()` posts every send and receive of the plan at once (batched isend/irecv through a
 `Transport`) and returns; the caller computes while the bytes move and calls `handle.wait()` when it
 needs the result. `wait()` then finishes the receives, fans the received pieces out to the rank's
-replicas (a broadcast on the destination stage's own group) and returns the rank's share.
+replicas and returns the rank's share. The fan-out runs on the destination replica group (the
+stage's own backend) as batched point-to-point: every member sends the pieces it received to the
+others while receiving theirs, an all-gather in which all members send at once. (One broadcast per
+piece would do the same on NCCL, but gloo runs the broadcasts of one group one after another.)
 
 The executor owns its scratch buffers and reuses them on every call; the output tensor is new on each
 call (a pipeline keeps several micro-batches' activations alive) unless the caller passes `out=`.
 Up to `max_in_flight` calls may be in flight at once (each has its own set of scratch buffers);
 messages of consecutive calls are matched in order, as both backends keep per-peer order. Wait for
-handles in the order they were started: the fan-out broadcasts in `wait()` are collectives on the
-replica group, so every member must run them in the same order.
+handles in the order they were started: consecutive calls reuse tags, so the fan-out messages of
+`wait()` must be posted in the same order by every member of a replica group.
 On CPU, pass `out=` from a pool for large shares: a fresh tensor each call pays page faults.
 """
 
@@ -26,7 +29,9 @@ from heteroflow.remap.layout import box_shape, box_slices
 from heteroflow.remap.plan import TransferPlan
 
 MAX_PIECES = 1 << 20
-"""Tags are `tag_base + piece index`; tag bases of different executors differ by multiples of this."""
+"""Tags are `tag_base + piece index` (fan-out: `+ FANOUT_TAGS + fan-out index`); tag bases of different
+executors differ by multiples of this."""
+FANOUT_TAGS = MAX_PIECES // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +100,15 @@ class RemapExecutor:
     def __init__(self, plan: TransferPlan, *, rank: int, transport: Transport, dtype: torch.dtype,
                  device: torch.device | str = "cpu", fanout_group: dist.ProcessGroup | None = None,
                  reduce_group: dist.ProcessGroup | None = None, tag_base: int = 0, max_in_flight: int = 2):
-        assert len(plan.pieces) < MAX_PIECES and tag_base % MAX_PIECES == 0, "tag ranges must not overlap"
+        assert max(len(plan.pieces), len(plan.fanouts)) < FANOUT_TAGS and tag_base % MAX_PIECES == 0, \
+            "tag ranges must not overlap"
         self.plan, self.rank, self.transport = plan, rank, transport
         self.dtype, self.device = dtype, torch.device(device)
         self.tag_base = tag_base
         self.is_source, self.is_destination = rank in plan.src.ranks, rank in plan.dst.ranks
         self._sends = plan.sends_of(rank)
         self._recvs = plan.recvs_of(rank)
-        self._fanouts = plan.fanouts_of(rank)
+        self._fanouts = [(i, f) for i, f in enumerate(plan.fanouts) if rank in f.ranks]
         self._reduces = plan.pre_reduces_of(rank)
         if self._fanouts and fanout_group is None:
             raise ValueError(f"rank {rank} takes part in fan-outs of {plan.dst.describe()}; pass the process "
@@ -196,24 +202,27 @@ class RemapExecutor:
         return summed
 
     def _finish(self, out: torch.Tensor | None, slot: int) -> None:
-        """After the transfer: broadcast pieces to replicas, then copy scratch landings into `out`."""
+        """After the transfer: exchange pieces with the replicas, then copy scratch landings into `out`."""
         if out is None:
             return
         pieces = self.plan.pieces
         index_of = {piece.box: index for index, piece in self._recvs}
-        landings: list[tuple[int, torch.Tensor]] = []
-        works = []
-        for fan in self._fanouts:
-            # The root broadcasts from where the piece landed; others receive into their landing spot.
-            index = index_of.get(fan.box) if fan.root == self.rank else None
-            key = index if index is not None else ("fan", fan.box)
-            tensor = self._landing(out, key, fan.box, slot)
-            works.append(dist.broadcast(tensor, src=fan.root, group=self._fanout_group, async_op=True))
-            if fan.root != self.rank:
+        landings: list[tuple[object, torch.Tensor]] = []
+        ops = []
+        for i, fan in self._fanouts:
+            tag = self.tag_base + FANOUT_TAGS + i
+            if fan.root == self.rank:  # send the piece from where it landed to every other replica
+                tensor = self._landing(out, index_of[fan.box], fan.box, slot)
+                ops += [dist.P2POp(dist.isend, tensor, peer, group=self._fanout_group, tag=tag)
+                        for peer in fan.ranks if peer != self.rank]
+            else:
+                key = ("fan", fan.box)
+                tensor = self._landing(out, key, fan.box, slot)
+                ops.append(dist.P2POp(dist.irecv, tensor, fan.root, group=self._fanout_group, tag=tag))
                 landings.append((key, tensor))
         landings += [(index, self._landing(out, index, piece.box, slot)) for index, piece in self._recvs]
-        for w in works:
-            w.wait()
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
         for key, tensor in landings:
             box = pieces[key].box if isinstance(key, int) else key[1]
             view = out[box_slices(box, self._dst_box)]

@@ -41,7 +41,7 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class FanOut:
-    """After the transfer, `root` broadcasts `box` to the other `ranks` of its destination replica set."""
+    """After the transfer, `root` copies `box` to the other `ranks` of its destination replica set."""
 
     root: int
     ranks: tuple[int, ...]
