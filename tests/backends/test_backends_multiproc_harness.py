@@ -41,6 +41,7 @@ def test_results_come_back_by_rank():
     assert all(r["threads"] == 1 and r["backend"] == "gloo" for r in results)
 
 
+@pytest.mark.slow  # spawn: each rank imports torch itself
 def test_a_failing_rank_stops_the_run_and_every_output_is_shown():
     started = time.monotonic()
     with pytest.raises(MultiprocError) as info:
@@ -53,6 +54,7 @@ def test_a_failing_rank_stops_the_run_and_every_output_is_shown():
     assert info.value.outputs[1].count("rank 1 starting") == 1
 
 
+@pytest.mark.slow  # waits for its 8 s timeout
 def test_a_hung_run_times_out_with_the_ranks_named():
     with pytest.raises(MultiprocError) as info:
         run_ranks(sleep_forever, 2, timeout_s=8)
