@@ -1,0 +1,159 @@
+"""`RankMap`: where every global rank of a plan sits (stage, dp/cp/tp index, node, device) and back.
+
+Rank order is fixed by the plan (config/plan.py): stages in pipeline order; inside a stage its
+devices in list order, tp innermost, then cp, then dp. So inside stage k, with `first` its first
+rank, `rank = first + (dp * cp_size + cp) * tp_size + tp`, and the rank runs on
+`stage.device_refs[rank - first]`. Pure Python: the launcher and tests use it without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from heteroflow.backends.vendor import boundary_kind, collective_backend
+from heteroflow.config.cluster import ClusterSpec
+from heteroflow.config.plan import PlanSpec
+from heteroflow.remap.layout import Layout
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One global rank's place in the plan and on the cluster."""
+
+    rank: int
+    stage: int
+    dp: int
+    cp: int
+    tp: int
+    node: str
+    local_device: int
+    """Device index on `node` (what `torch.cuda.set_device` takes)."""
+    device_type: str
+    vendor: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageInfo:
+    """One stage's layout degrees, vendor and ranks."""
+
+    index: int
+    ranks: tuple[int, ...]
+    tp: int
+    cp: int
+    dp: int
+    sp: bool
+    device_type: str
+    vendor: str
+
+    @property
+    def backend(self) -> str:
+        """Collective backend of this stage's devices (what its groups use outside emulation)."""
+        return collective_backend(self.vendor)
+
+    def rank(self, *, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """Global rank at these indices."""
+        for name, value, size in (("dp", dp, self.dp), ("cp", cp, self.cp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise IndexError(f"stage {self.index}: {name} index {value} out of range 0..{size - 1}")
+        return self.ranks[(dp * self.cp + cp) * self.tp + tp]
+
+
+class RankMap:
+    """Every rank of a plan: `info(rank)` answers where it is, `rank_of(...)`/`rank_at(...)` go back."""
+
+    def __init__(self, stages: Sequence[StageInfo], infos: Sequence[RankInfo]):
+        self.stages = tuple(stages)
+        self._infos = tuple(infos)
+        self._by_device = {(i.node, i.local_device): i.rank for i in infos}
+        assert [i.rank for i in infos] == list(range(len(infos))), "ranks are numbered 0..world-1 in order"
+
+    @classmethod
+    def from_plan(cls, plan: PlanSpec, cluster: ClusterSpec) -> "RankMap":
+        """Place every rank of `plan` on `cluster` (both already validated by config/)."""
+        stages, infos, first = [], [], 0
+        for k, stage in enumerate(plan.stages):
+            vendor = cluster.device_types[stage.device_type].vendor
+            n = stage.num_devices
+            assert n == stage.tp * stage.cp * stage.dp, "config/ checks tp * cp * dp == devices"
+            stages.append(StageInfo(index=k, ranks=tuple(range(first, first + n)), tp=stage.tp, cp=stage.cp,
+                                    dp=stage.dp, sp=stage.sp, device_type=stage.device_type, vendor=vendor))
+            for local, ref in enumerate(stage.device_refs):
+                dp, rest = divmod(local, stage.cp * stage.tp)
+                cp, tp = divmod(rest, stage.tp)
+                infos.append(RankInfo(rank=first + local, stage=k, dp=dp, cp=cp, tp=tp, node=ref.node,
+                                      local_device=ref.index, device_type=stage.device_type, vendor=vendor))
+            first += n
+        return cls(stages, infos)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the plan."""
+        return len(self._infos)
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages."""
+        return len(self.stages)
+
+    def info(self, rank: int) -> RankInfo:
+        """Where `rank` sits."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} out of range 0..{self.world_size - 1}")
+        return self._infos[rank]
+
+    def stage_of(self, rank: int) -> StageInfo:
+        """The stage `rank` belongs to."""
+        return self.stages[self.info(rank).stage]
+
+    def rank_of(self, stage: int, *, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """The global rank at (stage, dp, cp, tp)."""
+        return self.stages[stage].rank(dp=dp, cp=cp, tp=tp)
+
+    def rank_at(self, node: str, local_device: int) -> int:
+        """The global rank that runs on device `local_device` of `node`."""
+        try:
+            return self._by_device[node, local_device]
+        except KeyError:
+            raise KeyError(f"no rank of this plan runs on {node}:{local_device}") from None
+
+    def tp_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """Ranks of each tp group of `stage` (fixed dp, cp), in dp-then-cp order."""
+        s = self.stages[stage]
+        return [tuple(s.rank(dp=d, cp=c, tp=t) for t in range(s.tp)) for d in range(s.dp) for c in range(s.cp)]
+
+    def cp_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """Ranks of each cp group of `stage` (fixed dp, tp)."""
+        s = self.stages[stage]
+        return [tuple(s.rank(dp=d, cp=c, tp=t) for c in range(s.cp)) for d in range(s.dp) for t in range(s.tp)]
+
+    def dp_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """Ranks of each dp group of `stage` (fixed cp, tp): the ranks that hold the same weights."""
+        s = self.stages[stage]
+        return [tuple(s.rank(dp=d, cp=c, tp=t) for d in range(s.dp)) for c in range(s.cp) for t in range(s.tp)]
+
+    def activation_layout(self, stage: int, shape: Sequence[int]) -> Layout:
+        """How `stage` holds a `[batch, seq, hidden]` activation of one micro-batch."""
+        s = self.stages[stage]
+        return Layout.activation(shape, ranks=s.ranks, dp=s.dp, tp=s.tp, cp=s.cp, sp=s.sp)
+
+    def fanout_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """The replica sets of `stage`'s activations with more than one rank: each receives a piece once
+        at a boundary and copies it to the others (its tp group, unless sequence parallel)."""
+        s = self.stages[stage]
+        probe = self.activation_layout(stage, (s.dp, s.cp * s.tp, 1))  # any shape the splits divide
+        return [ranks for _, ranks in probe.blocks() if len(ranks) > 1]
+
+    def boundary_kind(self, stage: int) -> str:
+        """`direct` or `bridge` for the boundary between `stage` and `stage + 1`."""
+        return boundary_kind(self.stages[stage].vendor, self.stages[stage + 1].vendor)
+
+    def describe(self) -> str:
+        """One line per stage: ranks, layout, vendor, backend; one per boundary: its transport."""
+        lines = []
+        for s in self.stages:
+            lines.append(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]} {s.device_type} ({s.vendor}, "
+                         f"{s.backend}) tp={s.tp} cp={s.cp} dp={s.dp}{' sp' if s.sp else ''}")
+            if s.index + 1 < len(self.stages):
+                lines.append(f"  boundary {s.index}->{s.index + 1}: {self.boundary_kind(s.index)}")
+        return "\n".join(lines)

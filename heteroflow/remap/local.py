@@ -1,0 +1,64 @@
+"""Apply a layout change in one process: shard, gather and reshard tensors held as a dict per rank.
+
+For checkpoints (load the shards a tp=4 run saved, write the shards a tp=2 run needs) and as the
+reference the distributed executor is tested against. Uses the same `TransferPlan` as the executor,
+so a plan that is wrong here is wrong there too.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from heteroflow.remap.layout import Layout, LayoutError, box_slices
+from heteroflow.remap.plan import SourceReplicas, TransferPlan, plan_transfer
+
+
+def shard(full: torch.Tensor, layout: Layout) -> dict[int, torch.Tensor]:
+    """Each rank's share of the logical tensor `full` (contiguous copies)."""
+    if tuple(full.shape) != layout.shape:
+        raise LayoutError(f"tensor of shape {list(full.shape)} does not match layout {layout.describe()}")
+    return {rank: full[box_slices(layout.box(rank))].contiguous() for rank in layout.ranks}
+
+
+def unshard(shards: Mapping[int, torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The logical tensor from one share per distinct block (replicas are checked to agree)."""
+    first = shards[layout.ranks[0]]
+    full = torch.empty(layout.shape, dtype=first.dtype, device=first.device)
+    for box, holders in layout.blocks():
+        full[box_slices(box)] = shards[holders[0]]
+        for other in holders[1:]:
+            if other in shards and not torch.equal(shards[other], shards[holders[0]]):
+                raise ValueError(f"replicas {holders[0]} and {other} of block {box} differ")
+    return full
+
+
+def apply_plan(plan: TransferPlan, shards: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Run `plan` on in-memory shards (`{source rank: its share}`): `{destination rank: its share}`.
+
+    Follows the plan step by step (pre-reduce, pieces, fan-out) so tests of this function test the plan.
+    """
+    src, dst = plan.src, plan.dst
+    first = shards[src.ranks[0]]
+    outgoing = {rank: t.clone() for rank, t in shards.items()}
+    for red in plan.pre_reduces:  # partial sums onto the sender of each piece
+        view = box_slices(red.box, src.box(red.root))
+        total = sum(shards[r][box_slices(red.box, src.box(r))] for r in red.ranks)
+        outgoing[red.root][view] = total
+    out = {rank: torch.empty(dst.local_shape(rank), dtype=first.dtype, device=first.device) for rank in dst.ranks}
+    for piece in plan.pieces:
+        out[piece.dst][box_slices(piece.box, dst.box(piece.dst))] = \
+            outgoing[piece.src][box_slices(piece.box, src.box(piece.src))]
+    for fan in plan.fanouts:
+        value = out[fan.root][box_slices(fan.box, dst.box(fan.root))]
+        for rank in fan.ranks:
+            if rank != fan.root:
+                out[rank][box_slices(fan.box, dst.box(rank))] = value
+    return out
+
+
+def reshard(shards: Mapping[int, torch.Tensor], src: Layout, dst: Layout, *,
+            source_replicas: SourceReplicas = "identical") -> dict[int, torch.Tensor]:
+    """Shares held as `src` turned into shares held as `dst` (e.g. tp=4 checkpoint shards to tp=2)."""
+    return apply_plan(plan_transfer(src, dst, source_replicas=source_replicas), shards)
