@@ -1,30 +1,12 @@
-"""Which collective backend a vendor's devices use, and how two stages' devices talk across a boundary.
-
-The device facade (`heteroflow.devices.facade.collective_backend`) owns the vendor -> backend mapping;
-this module defers to it when it is installed and otherwise uses the same table, so backends/ works
-before the facade lands and keeps working after.
-"""
+"""How two stages' devices talk across a boundary; the vendor -> backend table lives in devices/."""
 
 from __future__ import annotations
 
-_BACKENDS = {"nvidia": "nccl", "amd": "nccl", "hygon": "nccl", "ascend": "hccl", "cpu": "gloo"}
-"""ROCm builds of torch expose RCCL under the name `nccl`; torch_npu registers `hccl`."""
+from heteroflow.devices.facade import collective_backend
+
+__all__ = ["BRIDGE", "DIRECT", "boundary_kind", "collective_backend"]
 
 DIRECT, BRIDGE = "direct", "bridge"
-
-
-def collective_backend(vendor: str) -> str:
-    """The torch.distributed backend for collectives among `vendor`'s devices."""
-    try:
-        from heteroflow.devices.facade import collective_backend as facade_backend
-    except ImportError:
-        facade_backend = None
-    if facade_backend is not None:
-        return facade_backend(vendor)
-    try:
-        return _BACKENDS[vendor]
-    except KeyError:
-        raise ValueError(f"unknown vendor {vendor!r}; expected one of {', '.join(_BACKENDS)}") from None
 
 
 def boundary_kind(src_vendor: str, dst_vendor: str) -> str:
