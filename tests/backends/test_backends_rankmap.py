@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from heteroflow.errors import UserError
+
 from heteroflow.backends import BRIDGE, DIRECT, RankMap, boundary_kind, collective_backend
 from heteroflow.config import load_job, parse_job
 from heteroflow.remap import LayoutError
@@ -79,7 +81,7 @@ def test_lookups_out_of_range_say_so():
 def test_vendor_backends_and_boundary_kinds():
     assert [collective_backend(v) for v in ("nvidia", "amd", "hygon", "ascend", "cpu")] == \
            ["nccl", "nccl", "nccl", "hccl", "gloo"]
-    with pytest.raises(ValueError, match="unknown vendor 'intel'"):
+    with pytest.raises(UserError, match="unknown vendor 'intel'"):
         collective_backend("intel")
     assert boundary_kind("nvidia", "nvidia") == boundary_kind("ascend", "ascend") == DIRECT
     # Different vendors, a CPU side, and AMD vs Hygon (different RCCL builds) all go through the bridge.
