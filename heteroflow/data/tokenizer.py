@@ -49,9 +49,9 @@ class Tokenizer:
         if word not in self._cache:
             parts = list(word)
             while len(parts) > 1:
-                ranked = [(self._rank.get((a, b), len(self._rank)), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-                best, i = min(ranked)
-                if best == len(self._rank):
+                never = len(self._rank)
+                best, i = min((self._rank.get(pair, never), i) for i, pair in enumerate(zip(parts, parts[1:])))
+                if best == never:
                     break
                 parts[i:i + 2] = [parts[i] + parts[i + 1]]
             self._cache[word] = [self.ids.get(p, UNK) for p in parts]

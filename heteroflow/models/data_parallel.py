@@ -58,7 +58,7 @@ def sync_tied_grads(model: nn.Module, *, group: ProcessGroup, tp_rank: int, dp_r
             shard.take(full).copy_(param.grad)
         dist.all_reduce(full, group=group)
         total = shard.take(full)
-        param.grad = total.to(param.dtype) if dp_rank == 0 else torch.zeros_like(param)
+        param.grad = total.to(param.dtype, copy=True) if dp_rank == 0 else torch.zeros_like(param)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from heteroflow.models.shard import shard_of
+from heteroflow.models.shard import _ATTR, shard_of
 
 DEFAULT_STD = 0.02
 
@@ -62,3 +62,26 @@ def init_weights(model: nn.Module, *, seed: int, std: float = DEFAULT_STD, scale
         full = full_init_value(canonical_name(name, tie_embeddings=spec.tie_embeddings), shard.full_shape,
                                seed=seed, num_layers=spec.num_layers, std=std, scaled_output=scaled_output)
         param.copy_(shard.take(full))
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate (uninitialized) storage on `device` for a model built under `torch.device("meta")`.
+
+    Unlike `Module.to_empty`, which replaces each Parameter, this keeps every `ParamShard` record and
+    keeps tied parameters tied (the same Parameter in two modules stays one Parameter).
+    """
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in new:
+                fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                if hasattr(param, _ATTR):
+                    setattr(fresh, _ATTR, getattr(param, _ATTR))
+                new[id(param)] = fresh
+            module._parameters[key] = new[id(param)]
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = torch.empty_like(buffer, device=device)
+    return model

@@ -30,10 +30,11 @@ and input gradients matched the unsharded blocks with and without sp. It was not
      the pipeline's backward (which the runtime drives with received gradients), and a vocabulary
      that tp does not divide needs padded shards; here it is one autograd function on plain tensors;
   3. overhead: forward + backward of the 8 blocks (batch 4 x 128 tokens, hidden 128), median of 6,
-     both variants in the same processes: 340 vs 582 ms (2 ranks), 312 vs 576 ms (4 ranks, two
-     stages), with or without sp; at 512 tokens 780 vs 1001 ms. DTensor adds a roughly fixed
-     ~30 ms per block per step of dispatch, which matters for the small CPU-emulated stages and
-     fades with size (the machine was shared, load ~10 on 2 cores: trust the ratios, not the ms);
+     both variants alternating in the same processes (benchmarks/tp_dtensor_vs_functions.py):
+     DTensor took 1.4-1.9x as long: 200 vs 278 ms and 340 vs 582 ms on 2 ranks, 421 vs 745 ms on 4
+     ranks (two stages), 495 vs 964 ms with sp; at 512 tokens 780 vs 1001 ms. Per-op DTensor
+     dispatch adds a roughly fixed cost per block, which matters for small CPU-emulated stages and
+     fades with size (the machine was shared, load 6-10 on 2 cores: trust the ratios, not the ms);
   4. these functions need only all_reduce / all_gather_into_tensor / reduce_scatter_tensor from the
      group's backend (gloo, nccl, hccl), whereas DTensor on Ascend depends on torch_npu's
      privateuse1 DTensor support, which cannot be tested here.

@@ -31,7 +31,9 @@ def test_tokenizer_round_trips_and_truncates_to_any_model_vocabulary():
         tok = builtin_tokenizer(vocab)
         ids = tok.encode(text)
         assert tok.vocab_size <= vocab and max(ids) < vocab and tok.decode(ids) == text
-    assert builtin_tokenizer(512).encode("Mira lives in Valen.") == builtin_tokenizer(512).encode("Mira lives in Valen.")
+    full = builtin_tokenizer(512)
+    ids = full.encode("Mira lives in Valen.")
+    assert full.decode(ids) == "Mira lives in Valen." and len(ids) <= 6  # merges learned whole words
     assert Tokenizer(["a"], []).encode("ab") == [3, 0]  # unknown characters become <unk>
 
 

@@ -48,7 +48,8 @@ def test_shuffled_order_is_a_permutation_per_epoch_fixed_by_the_seed():
     epoch0 = np.concatenate([order.global_batch(t) for t in range(3)])
     epoch1 = np.concatenate([order.global_batch(t) for t in range(3, 6)])
     assert sorted(epoch0) == sorted(epoch1) == list(range(12)) and not np.array_equal(epoch0, epoch1)
-    assert np.array_equal(SampleOrder(num_samples=12, global_batch_size=4, seed=7).global_batch(1), order.global_batch(1))
+    again = SampleOrder(num_samples=12, global_batch_size=4, seed=7)
+    assert np.array_equal(again.global_batch(1), order.global_batch(1))
     assert not np.array_equal(SampleOrder(num_samples=12, global_batch_size=4, seed=8).global_batch(0),
                               order.global_batch(0))
     straddling = SampleOrder(num_samples=5, global_batch_size=4, seed=1).global_batch(1)  # positions 4..7

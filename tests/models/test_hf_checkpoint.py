@@ -24,7 +24,8 @@ def _hf_model(kind: str, tie: bool, path):
                              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
     torch.manual_seed(0)
     extra = {"head_dim": 12} if kind == "qwen3" else {}
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(tie_word_embeddings=tie, **TINY, **extra))
+    config = getattr(transformers, config_cls)(tie_word_embeddings=tie, **TINY, **extra)
+    model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # Hugging Face starts norms at 1 and biases at 0: make them matter
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from heteroflow.config import PRESETS
-from heteroflow.models import build_stage_model, init_weights
+from heteroflow.models import StageLayout, build_stage_model, init_weights, materialize, parallelize_stage
 from heteroflow.models.init import full_init_value, param_seed
 
 SPEC = replace(PRESETS["micro-llama"], num_layers=4, tie_embeddings=True)
@@ -44,3 +44,14 @@ def test_seed_hash_is_stable_across_processes_and_versions():
     assert param_seed(1234, "layers.0.attn.wq.weight") == param_seed(1234, "layers.0.attn.wq.weight")
     assert param_seed(1234, "embed.weight") == 4394049756591389530
     assert torch.equal(full_init_value("layers.0.attn.wq.bias", (4,), seed=1, num_layers=2), torch.zeros(4))
+
+
+def test_meta_build_then_materialize_keeps_ties_and_gives_the_same_weights():
+    with torch.device("meta"):
+        model = build_stage_model(SPEC, first_layer=0, last_layer=4, is_first=True, is_last=True)
+    parallelize_stage(model, layout=StageLayout(recompute="full"))
+    materialize(model, "cpu")
+    assert model.head.weight is model.embed.weight and model.embed.weight.device.type == "cpu"
+    init_weights(model, seed=5)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, weights(0, 4)[name], rtol=0, atol=0, msg=name)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from heteroflow.config import PRESETS
 from heteroflow.models import (HFCheckpoint, StageLayout, all_reduce_partial_grads, build_stage_model, init_weights,
-                               parallelize_stage, shard_of)
+                               materialize, parallelize_stage, shard_of)
 from heteroflow.models.hf_checkpoint import write_hf_checkpoint
 
 BASE = replace(PRESETS["micro-llama"], num_layers=2)  # 4 heads, 2 kv heads, hidden 64, seq 32, vocab 256
@@ -19,9 +19,12 @@ SEED = 3
 
 
 def _build(spec, *, whole: bool, layout=None, group=None):
-    model = build_stage_model(spec, first_layer=0, last_layer=spec.num_layers, is_first=whole, is_last=whole)
+    """The reference on CPU; the parallel model the way large ones are built: on meta, sharded, then allocated."""
+    with torch.device("meta" if layout is not None else "cpu"):
+        model = build_stage_model(spec, first_layer=0, last_layer=spec.num_layers, is_first=whole, is_last=whole)
     if layout is not None:
         parallelize_stage(model, layout=layout, tp_group=group)
+        materialize(model, "cpu")
     init_weights(model, seed=SEED)
     return model
 
