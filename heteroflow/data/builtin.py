@@ -1,0 +1,41 @@
+"""The token file a job trains on: `train.data`, or the built-in corpus tokenized for the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from heteroflow.data.corpus import builtin_documents
+from heteroflow.data.tokenizer import EOS, builtin_tokenizer
+from heteroflow.data.tokens import TokenFile, write_token_file
+
+
+def build_corpus_bin(path: str | Path, *, vocab_size: int) -> Path:
+    """Tokenize the built-in corpus with the built-in tokenizer cut to `vocab_size` ids and write it as
+    a uint16 token file (documents separated by `<eos>`); deterministic, so every rank writes the same
+    bytes and an existing file of the same size is reused."""
+    tokenizer = builtin_tokenizer(vocab_size)
+    tokens: list[int] = []
+    for doc in builtin_documents():
+        tokens += tokenizer.encode(doc)
+        tokens.append(EOS)
+    path = Path(path)
+    if path.is_file() and path.stat().st_size == 2 * len(tokens):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write_token_file(tmp, tokens, "uint16")
+    tmp.replace(path)  # atomic: ranks that race write identical bytes
+    return path
+
+
+def open_train_data(job, *, work_dir: str | Path) -> TokenFile:
+    """The job's `train.data` file, or the built-in corpus (written under `work_dir`), checked against
+    the model's vocabulary and sequence length."""
+    model, data = job.model, job.train.data
+    if data is None:
+        path = build_corpus_bin(Path(work_dir, f"builtin-corpus-v{model.vocab_size}.bin"), vocab_size=model.vocab_size)
+        token_file = TokenFile(path, seq_length=model.seq_length, dtype="uint16")
+    else:
+        token_file = TokenFile(job.resolve_path(data.path), seq_length=model.seq_length, dtype=data.dtype)
+    token_file.check_vocab(model.vocab_size)
+    return token_file

@@ -1,0 +1,193 @@
+"""Gradient reduction inside a stage and its AdamW step: dp all-reduce, or ZeRO-1, with fp32 masters.
+
+Per optimizer step, after every micro-batch's backward (the runtime scales each loss by
+1 / global tokens, so gradients are *summed* over micro-batches and dp ranks, never averaged):
+
+    sync_tied_grads(model, group=tied_group, tp_rank=..., dp_rank=...)   # only when tied across stages
+    opt.reduce_grads()            # sum partial grads over tp, then sum over dp (reduce-scatter with ZeRO)
+    share = opt.grad_sq_norm_share()      # all-reduce the shares over the world -> global norm^2
+    opt.step(lr=..., grad_scale=clip_coef)
+    opt.zero_grad()
+
+Everything lives in flat fp32 buffers (one bucket, no overlap with backward: simple and exact; the
+cost is one extra fp32 copy of the gradients). ZeRO stage 1 and 2 behave the same here: gradients
+are reduce-scattered, and each dp rank keeps fp32 master weights and Adam moments for its 1/dp of
+the flat buffer only, then all-gathers the updated weights. Weight decay skips 1-D parameters
+(norm weights and biases), as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from heteroflow.models.shard import shard_of
+from heteroflow.models.tp_ops import _ALL_GATHER, _REDUCE_SCATTER
+
+
+def all_reduce_partial_grads(model: nn.Module, tp_group: ProcessGroup | None) -> None:
+    """Sum over tp the gradients marked `partial_grad` (norms under sp, q/k norms, replicated kv weights)."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    grads = [p.grad for p in model.parameters() if shard_of(p).partial_grad and p.grad is not None]
+    if grads:
+        flat = torch.cat([g.flatten().float() for g in grads])
+        dist.all_reduce(flat, group=tp_group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+@torch.no_grad()
+def sync_tied_grads(model: nn.Module, *, group: ProcessGroup, tp_rank: int, dp_rank: int) -> None:
+    """Sum the tied embedding's gradient (first stage) with the head copy's (last stage).
+
+    Call on every rank of the first and the last stage, with `group` holding exactly those ranks,
+    before `reduce_grads`. Afterwards dp rank 0 of each stage holds its slice of the total and the
+    other dp ranks zeros, so the following dp sum leaves every rank of both stages with the total.
+    Each stage may use its own tp and dp: the exchange goes through the full logical tensor.
+    """
+    for name in model.tied_parameter_names():
+        param = model.get_parameter(name)
+        shard = shard_of(param)
+        full = torch.zeros(shard.full_shape, dtype=torch.float32, device=param.device)
+        if param.grad is not None and (shard.dim is not None or tp_rank == 0):
+            shard.take(full).copy_(param.grad)
+        dist.all_reduce(full, group=group)
+        total = shard.take(full)
+        param.grad = total.to(param.dtype, copy=True) if dp_rank == 0 else torch.zeros_like(param)
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """Where a parameter sits in the flat buffer, and how it is treated."""
+
+    param: nn.Parameter
+    offset: int
+    numel: int
+    decay: bool
+    counted: bool
+    """Counts toward the global gradient norm on this rank (tp-replicated values count on tp rank 0
+    only; the head copy of an embedding tied across stages counts on the first stage)."""
+
+
+class DataParallelAdamW:
+    """AdamW with fp32 master weights over one stage's parameters, gradients summed over `dp_group`.
+
+    zero=0: every dp rank keeps all masters and moments; zero=1 (or 2): each keeps 1/dp of them.
+    Build it after the weights are initialized or loaded (the masters copy the current values).
+    """
+
+    def __init__(self, model: nn.Module, *, dp_group: ProcessGroup | None, tp_group: ProcessGroup | None = None,
+                 zero: int = 0, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1):
+        if zero not in (0, 1, 2):
+            raise ValueError(f"DataParallelAdamW implements ZeRO 0, 1 and 2, not {zero}")
+        self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
+        self.zero, self.betas, self.eps, self.weight_decay = zero, betas, eps, weight_decay
+        self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        is_last = getattr(model, "is_last", False)
+        head_copy = {n for n in getattr(model, "tied_parameter_names", tuple)() if is_last}
+        self.segments: list[_Segment] = []
+        offset = 0
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            counted = name not in head_copy and (shard_of(param).dim is not None or tp_rank == 0)
+            self.segments.append(_Segment(param, offset, param.numel(), param.dim() >= 2, counted))
+            offset += param.numel()
+        self.numel = offset
+        self.padded = -(-offset // self.dp) * self.dp
+        # With ZeRO this rank owns [lo, hi) of the flat buffer; without, all of it.
+        shard_len = self.padded // self.dp
+        self.lo, self.hi = (self.dp_rank * shard_len, (self.dp_rank + 1) * shard_len) if zero else (0, self.padded)
+        self.master = self._flat_params()[self.lo:self.hi].clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.grad: torch.Tensor | None = None
+        self.steps = 0
+
+    def _flat_params(self) -> torch.Tensor:
+        device = self.segments[0].param.device if self.segments else None
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        for s in self.segments:
+            flat[s.offset:s.offset + s.numel].copy_(s.param.detach().flatten())
+        return flat
+
+    def _owned(self, s: _Segment) -> tuple[int, int] | None:
+        """The part of segment `s` inside this rank's range, relative to `lo`."""
+        a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
+        return (a - self.lo, b - self.lo) if a < b else None
+
+    @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """Sum partial grads over tp, then sum over dp into this rank's fp32 gradient (shard)."""
+        all_reduce_partial_grads(self.model, self.tp_group)
+        device = self.master.device
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        for s in self.segments:
+            if s.param.grad is not None:
+                flat[s.offset:s.offset + s.numel].copy_(s.param.grad.flatten())
+        if self.dp > 1 and self.zero:
+            self.grad = torch.empty(self.hi - self.lo, dtype=torch.float32, device=device)
+            _REDUCE_SCATTER(self.grad, flat, group=self.dp_group)
+        else:
+            if self.dp > 1:
+                dist.all_reduce(flat, group=self.dp_group)
+            self.grad = flat[self.lo:self.hi]
+        if self.zero >= 2:  # ZeRO-2: the reduced shard is all that is kept
+            self.zero_grad()
+
+    @torch.no_grad()
+    def grad_sq_norm_share(self) -> torch.Tensor:
+        """This rank's part of the global squared gradient norm: the sum of every rank's share, over
+        all stages, is the squared norm of the whole model's gradient (each value counted once)."""
+        assert self.grad is not None, "call reduce_grads() first"
+        total = torch.zeros((), dtype=torch.float32, device=self.master.device)
+        if not self.zero and self.dp_rank != 0:
+            return total  # every dp rank holds the same reduced gradient: count it on one
+        for s in self.segments:
+            part = self._owned(s)
+            if s.counted and part is not None:
+                total += self.grad[part[0]:part[1]].pow(2).sum()
+        return total
+
+    @torch.no_grad()
+    def step(self, *, lr: float, grad_scale: float = 1.0) -> None:
+        """One AdamW step on this rank's masters (gradient times `grad_scale`, e.g. a clip coefficient),
+        then write the new weights into the model (all-gathered from the dp ranks with ZeRO)."""
+        assert self.grad is not None, "call reduce_grads() first"
+        self.steps += 1
+        beta1, beta2 = self.betas
+        grad = self.grad * grad_scale if grad_scale != 1.0 else self.grad
+        for s in self.segments:  # decoupled weight decay, matrices only
+            part = self._owned(s)
+            if s.decay and part is not None and self.weight_decay:
+                self.master[part[0]:part[1]].mul_(1 - lr * self.weight_decay)
+        self.exp_avg.lerp_(grad, 1 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
+        denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        self.grad = None
+        full = self.master
+        if self.zero and self.dp > 1:
+            full = torch.empty(self.padded, dtype=torch.float32, device=self.master.device)
+            _ALL_GATHER(full, self.master, group=self.dp_group)
+        for s in self.segments:
+            s.param.copy_(full[s.offset:s.offset + s.numel].view_as(s.param))
+
+    def zero_grad(self) -> None:
+        """Drop the model's gradients (the next backward starts from zero)."""
+        for s in self.segments:
+            s.param.grad = None
+
+    @torch.no_grad()
+    def reload_from_model(self) -> None:
+        """Take the masters from the model's current weights again (after loading a checkpoint)."""
+        self.master.copy_(self._flat_params()[self.lo:self.hi])

@@ -1,0 +1,263 @@
+"""A Llama-family decoder built from `ModelSpec`, one pipeline stage at a time.
+
+Model code only: nothing here knows about tensor, sequence or data parallelism. `parallelize.py`
+swaps or wraps modules afterwards (the torchtitan pattern), which is why the code below reads head
+counts and sequence lengths from tensor shapes instead of from the spec.
+
+Parameter names are global and independent of the plan, so checkpoints, initialization and Hugging
+Face loading key on them:
+
+    embed.weight                    token embedding                 (first stage)
+    pos_embed.weight                learned positions, if any       (first stage)
+    layers.{i}.attn_norm.weight     i is the global layer index
+    layers.{i}.attn.{wq,wk,wv,wo}.weight   (+ wq/wk/wv .bias with qkv_bias)
+    layers.{i}.attn.{q_norm,k_norm}.weight (qk_norm)
+    layers.{i}.mlp_norm.weight
+    layers.{i}.mlp.{w1,w2,w3}.weight        w1 gate, w3 up, w2 down (gelu: w1, w2 only)
+    norm.weight                     final norm                      (last stage)
+    head.weight                     LM head                         (last stage)
+
+LayerNorm adds `.bias` next to each norm weight.
+
+Tied embeddings: when one stage holds both ends, `head.weight` *is* `embed.weight` (one Parameter).
+When the first and last stages differ, the last stage's `head.weight` is a copy initialized from the
+same values; the runtime keeps the copies equal by summing their gradients across the two stages
+(`TIED_PARAMETERS`, `tied_parameter_names`, `data_parallel.sync_tied_grads`).
+
+RoPE follows the Hugging Face / GPT-NeoX "rotate half" layout (the two halves of each head are the
+real and imaginary parts), so Hugging Face Llama and Qwen weights load without permuting q and k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heteroflow.config.model import ModelSpec
+
+IGNORE_INDEX = -100
+"""Label value whose token does not count in the loss (as in PyTorch and Hugging Face)."""
+
+TIED_PARAMETERS = ("embed.weight", "head.weight")
+"""Names of the two parameters that hold one logical tensor when `tie_embeddings` is set."""
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, then scaled in the input dtype (as Hugging Face does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(spec: ModelSpec, dim: int) -> nn.Module:
+    """The normalization layer the spec asks for."""
+    if spec.normalization == "layernorm":
+        return nn.LayerNorm(dim, eps=spec.norm_eps)
+    return RMSNorm(dim, spec.norm_eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [seq, head_dim], in the rotate-half layout, computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys [batch, seq, heads, head_dim] by position."""
+    half = x_BSND.shape[-1] // 2
+    rotated = torch.cat((-x_BSND[..., half:], x_BSND[..., :half]), dim=-1)
+    return x_BSND * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class AttentionCore(nn.Module):
+    """Causal scaled-dot-product attention with grouped-query kv heads repeated to the query heads.
+
+    A module of its own so that selective recompute can checkpoint exactly this part.
+    """
+
+    def forward(self, q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor) -> torch.Tensor:
+        repeats = q_BNSD.shape[1] // k_BKSD.shape[1]
+        if repeats > 1:  # query head j uses kv head j // repeats, as in Hugging Face's repeat_kv
+            k_BKSD = k_BKSD.repeat_interleave(repeats, dim=1)
+            v_BKSD = v_BKSD.repeat_interleave(repeats, dim=1)
+        return F.scaled_dot_product_attention(q_BNSD, k_BKSD, v_BKSD, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional q/k/v bias, per-head q/k RMSNorm and RoPE."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.kv_channels
+        self.head_dim = d
+        self.rope_theta = spec.rope_theta if spec.position_embedding == "rope" else None
+        self.wq = nn.Linear(h, spec.num_attention_heads * d, bias=spec.qkv_bias)
+        self.wk = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.wv = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.wo = nn.Linear(spec.num_attention_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
+        self.core = AttentionCore()
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        # Shapes come from the projections: under tensor/sequence parallelism they hold a subset of
+        # the heads and the full sequence, whatever the input held.
+        q = self.wq(x_BSH)
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim)
+        k = self.wk(x_BSH).view(b, s, -1, self.head_dim)
+        v = self.wv(x_BSH).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_theta is not None:
+            cos, sin = rope_tables(s, self.head_dim, self.rope_theta, q.device, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x)), tanh approximation as in GPT-2/3)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, f = spec.hidden_size, spec.ffn_hidden_size
+        self.swiglu = spec.activation == "swiglu"
+        self.w1 = nn.Linear(h, f, bias=False)
+        self.w2 = nn.Linear(f, h, bias=False)
+        self.w3 = nn.Linear(h, f, bias=False) if self.swiglu else None
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x_BSH)) * self.w3(x_BSH))
+        return self.w2(F.gelu(self.w1(x_BSH), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.attn_norm = make_norm(spec, spec.hidden_size)
+        self.attn = Attention(spec)
+        self.mlp_norm = make_norm(spec, spec.hidden_size)
+        self.mlp = FeedForward(spec)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH))
+        return x_BSH + self.mlp(self.mlp_norm(x_BSH))
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy in fp32; labels equal to `IGNORE_INDEX` do not count."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+class OutputHead(nn.Module):
+    """Projection to the vocabulary, and the summed loss when labels are given."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, x_BSH: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = F.linear(x_BSH, self.weight)
+        return logits if labels is None else token_loss_sum(logits, labels)
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions; returns [seq, hidden] for positions 0..seq-1."""
+
+    def __init__(self, seq_length: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(seq_length, hidden_size))
+
+    def forward(self, seq_len: int) -> torch.Tensor:
+        return self.weight[:seq_len]
+
+
+class StageModel(nn.Module):
+    """Layers `[first_layer, last_layer)` of the decoder, plus the ends this stage owns.
+
+    forward(x, labels=None):
+      x: token ids [batch, seq] on the first stage, hidden states [batch, seq, hidden] otherwise.
+      returns hidden states; on the last stage logits [batch, seq, vocab], or with `labels`
+      [batch, seq] the summed token loss (fp32 scalar) for the runtime to divide by the global
+      number of tokens.
+    """
+
+    def __init__(self, spec: ModelSpec, *, first_layer: int, last_layer: int, is_first: bool, is_last: bool):
+        super().__init__()
+        self.spec = spec
+        self.first_layer, self.last_layer = first_layer, last_layer
+        self.is_first, self.is_last = is_first, is_last
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size) if is_first else None
+        learned = is_first and spec.position_embedding == "learned"
+        self.pos_embed = PositionEmbedding(spec.seq_length, spec.hidden_size) if learned else None
+        # A ModuleDict keyed by the global index keeps `layers.{i}` names identical under any split.
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(first_layer, last_layer)})
+        self.norm = make_norm(spec, spec.hidden_size) if is_last else None
+        self.head = OutputHead(spec.hidden_size, spec.vocab_size) if is_last else None
+        if spec.tie_embeddings and is_first and is_last:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = x
+        if self.embed is not None:
+            h = self.embed(x)
+            if self.pos_embed is not None:
+                h = h + self.pos_embed(x.shape[1])
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.head is None:
+            assert labels is None, "labels are only used by the last stage"
+            return h
+        return self.head(self.norm(h), labels)
+
+    def tied_parameter_names(self) -> tuple[str, ...]:
+        """Parameters of this stage whose gradient must be summed with another stage's (see module doc)."""
+        return tied_parameter_names(self.spec, is_first=self.is_first, is_last=self.is_last)
+
+
+def tied_parameter_names(spec: ModelSpec, *, is_first: bool, is_last: bool) -> tuple[str, ...]:
+    """`("embed.weight",)` on a first stage / `("head.weight",)` on a last stage when the embedding is
+    tied and the two ends live on different stages; `()` otherwise."""
+    if not spec.tie_embeddings or is_first == is_last:
+        return ()
+    return (TIED_PARAMETERS[0],) if is_first else (TIED_PARAMETERS[1],)
+
+
+def build_stage_model(spec: ModelSpec, *, first_layer: int, last_layer: int, is_first: bool,
+                      is_last: bool) -> StageModel:
+    """A stage's modules with placeholder values; call `init.init_weights` or load a checkpoint next.
+
+    Build under `torch.device("meta")` to skip allocation for large models, then `to_empty`.
+    """
+    if not 0 <= first_layer <= last_layer <= spec.num_layers:
+        raise ValueError(f"layers [{first_layer}, {last_layer}) are outside the model's 0..{spec.num_layers}")
+    if (is_first and first_layer != 0) or (is_last and last_layer != spec.num_layers):
+        raise ValueError(f"stage [{first_layer}, {last_layer}) of {spec.num_layers} layers cannot hold the "
+                         f"{'embedding' if is_first and first_layer else 'head'}")
+    return StageModel(spec, first_layer=first_layer, last_layer=last_layer, is_first=is_first, is_last=is_last)
+
+
+def count_tokens(labels: torch.Tensor) -> int:
+    """Tokens that count in the loss (the runtime's normalizer sums this over the global batch)."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+__all__ = ["IGNORE_INDEX", "TIED_PARAMETERS", "StageModel", "build_stage_model", "count_tokens", "rope_tables",
+           "apply_rope", "tied_parameter_names", "token_loss_sum"]

@@ -1,0 +1,240 @@
+"""Apply a stage's intra-operator layout (tp, sp, recompute) to a `StageModel`, in place.
+
+Layout contract (what the pipeline and the remap code rely on), for a stage with tp group of size T:
+  * without sp, activations entering and leaving the stage are replicated over tp: every tp rank
+    gets the full [batch, seq, hidden] input and returns the full output, and after backward every
+    tp rank holds the same full input gradient;
+  * with sp, tp rank r gets and returns sequence chunk r ([batch, seq / T, hidden]) and its input
+    gradient is the gradient of that chunk;
+  * the first stage takes the full token ids on every tp rank; the last stage takes full labels and
+    returns the summed loss of the whole micro-batch share, equal on every tp rank.
+
+What is split (Megatron-LM's scheme): wq / wk / wv / w1 / w3 by output rows (column-parallel), wo / w2
+by input columns (row-parallel), embedding and head by vocabulary rows (`vocab_parallel.py`, uneven
+pieces rather than padding). When tp exceeds the kv heads, wk / wv stay whole on every rank and each
+rank computes only the kv head its query heads use; their gradient is then partial, like that of
+norms under sp and of q/k norms: `ParamShard.partial_grad` marks them and
+`data_parallel.all_reduce_partial_grads` sums them over tp once per step. Collectives sit at the
+entry and exit of each attention and MLP block (one all-reduce, or all-gather + reduce-scatter with
+sp, per block and direction), as forward hooks: the model code never sees them.
+
+Why Megatron-style autograd functions on explicit process groups, not DTensor `parallelize_module`:
+tried first (torch 2.13 CPU, gloo, 4 ranks = two stages, each with its own tp=2 sub-mesh from
+`DeviceMesh.from_group(stage_tp_group, "cpu")`, torchtitan's Colwise / Rowwise / SequenceParallel /
+PrepareModuleInput plan on tiny-llama's 8 blocks). DTensor does work on per-stage sub-meshes: outputs
+and input gradients matched the unsharded blocks with and without sp. It was not chosen because:
+  1. grouped-query attention with tp > num_kv_heads (which the planner allows, e.g. 8 kv heads at
+     tp 16) failed: Colwise splits a kv head's rows between ranks ("shape [4, 128, -1, 16] is invalid");
+     kv heads have to be replicated and sliced by a custom module either way;
+  2. the vocabulary-parallel loss needs `loss_parallel()` active around the forward *and* around
+     the pipeline's backward (which the runtime drives with received gradients), and a vocabulary
+     that tp does not divide needs padded shards; here it is one autograd function on plain tensors;
+  3. overhead: forward + backward of the 8 blocks (batch 4 x 128 tokens, hidden 128), median of 6,
+     both variants alternating in the same processes (benchmarks/tp_dtensor_vs_functions.py):
+     DTensor took 1.4-1.9x as long: 200 vs 278 ms and 340 vs 582 ms on 2 ranks, 421 vs 745 ms on 4
+     ranks (two stages), 495 vs 964 ms with sp; at 512 tokens 780 vs 1001 ms. Per-op DTensor
+     dispatch adds a roughly fixed cost per block, which matters for small CPU-emulated stages and
+     fades with size (the machine was shared, load 6-10 on 2 cores: trust the ratios, not the ms);
+  4. these functions need only all_reduce / all_gather_into_tensor / reduce_scatter_tensor from the
+     group's backend (gloo, nccl, hccl), whereas DTensor on Ascend depends on torch_npu's
+     privateuse1 DTensor support, which cannot be tested here.
+Plain tensors also keep the stage boundary simple: what goes to remap/ is a local tensor with the
+layout above, never a DTensor that the other stage's mesh would not know.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
+
+from heteroflow.models.llama import Attention, AttentionCore, Block, FeedForward, StageModel
+from heteroflow.models.shard import ParamShard, even_split, set_shard, shard_of
+from heteroflow.models.tp_ops import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from heteroflow.models.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class LayoutLike(Protocol):
+    """Anything with a stage's intra-operator layout, such as `config.StageSpec`."""
+
+    tp: int
+    sp: bool
+    recompute: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageLayout:
+    """The part of a plan stage that `parallelize_stage` applies."""
+
+    tp: int = 1
+    """Tensor-parallel degree; the tp group passed alongside has this many ranks."""
+    sp: bool = False
+    """Megatron-style sequence parallelism over the tp group."""
+    recompute: str = "none"
+    """none, selective (checkpoint the attention core) or full (checkpoint every block)."""
+
+
+def parallelize_stage(model: StageModel, *, layout: LayoutLike, tp_group: ProcessGroup | None = None) -> StageModel:
+    """Shard `model` over `tp_group` per `layout` and set up recompute; returns the same module.
+
+    Works on real or meta parameters; values already present are sliced, so initializing before or
+    after gives the same weights.
+    """
+    spec = model.spec
+    if layout.recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {layout.recompute!r}")
+    tp = layout.tp
+    if tp > 1:
+        if tp_group is None or dist.get_world_size(tp_group) != tp:
+            raise ValueError(f"layout has tp {tp}, but the tp group has "
+                             f"{None if tp_group is None else dist.get_world_size(tp_group)} ranks")
+        if spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
+            raise ValueError(f"tp {tp} must divide num_attention_heads {spec.num_attention_heads} "
+                             f"and ffn_hidden_size {spec.ffn_hidden_size}")
+        if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
+            raise ValueError(f"tp {tp} and num_kv_heads {spec.num_kv_heads} must divide one another")
+        _apply_tensor_parallel(model, tp_group, sp=layout.sp)
+    apply_recompute(model, layout.recompute)
+    return model
+
+
+def _apply_tensor_parallel(model: StageModel, group: ProcessGroup, *, sp: bool) -> None:
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    spec = model.spec
+    for block in model.layers.values():
+        _shard_attention(block.attn, spec.num_attention_heads, spec.num_kv_heads, tp, rank)
+        _shard_mlp(block.mlp, tp, rank)
+        for module in (block.attn, block.mlp):
+            module.register_forward_pre_hook(_enter_hook(group, sp))
+            module.register_forward_hook(_leave_hook(group, sp))
+        if sp:  # norms see only this rank's tokens
+            _mark_partial(block.attn_norm, block.mlp_norm)
+    if model.norm is not None and sp:
+        _mark_partial(model.norm)
+    if model.pos_embed is not None and sp:
+        _mark_partial(model.pos_embed)
+        model.pos_embed.register_forward_hook(lambda module, args, out: out.chunk(tp, dim=0)[rank])
+    sizes = [even_split(spec.vocab_size, tp, r)[1] for r in range(tp)]
+    vocab_start = sum(sizes[:rank])
+    tied_here = model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
+    if model.embed is not None:
+        weight = _sliced(model.embed.weight, 0, vocab_start, sizes[rank])
+        model.embed = VocabParallelEmbedding(weight, vocab_start=vocab_start, group=group, sp=sp)
+    if model.head is not None:
+        weight = model.embed.weight if tied_here else _sliced(model.head.weight, 0, vocab_start, sizes[rank])
+        model.head = VocabParallelHead(weight, vocab_start=vocab_start, shard_sizes=sizes, group=group, sp=sp)
+
+
+def _shard_attention(attn: Attention, num_heads: int, num_kv_heads: int, tp: int, rank: int) -> None:
+    d = attn.head_dim
+    q_rows = num_heads // tp * d
+    _shard_linear(attn.wq, 0, rank * q_rows, q_rows)
+    _shard_linear(attn.wo, 1, rank * q_rows, q_rows)
+    if num_kv_heads % tp == 0:
+        kv_rows = num_kv_heads // tp * d
+        _shard_linear(attn.wk, 0, rank * kv_rows, kv_rows)
+        _shard_linear(attn.wv, 0, rank * kv_rows, kv_rows)
+    else:  # tp > kv heads: this rank's query heads all use kv head (rank * kv_heads // tp)
+        kv_head = rank * num_kv_heads // tp
+        attn.wk = KVHeadSlice(attn.wk, kv_head * d, d)
+        attn.wv = KVHeadSlice(attn.wv, kv_head * d, d)
+    if attn.q_norm is not None:  # shared over heads, and each rank sees only its heads
+        _mark_partial(attn.q_norm, attn.k_norm)
+
+
+def _shard_mlp(mlp: FeedForward, tp: int, rank: int) -> None:
+    rows = mlp.w1.out_features // tp
+    for column_parallel in (mlp.w1, mlp.w3):
+        if column_parallel is not None:
+            _shard_linear(column_parallel, 0, rank * rows, rows)
+    _shard_linear(mlp.w2, 1, rank * rows, rows)
+
+
+class KVHeadSlice(nn.Module):
+    """A k or v projection kept whole on every tp rank that computes one kv head (tp > kv heads).
+
+    Keeps the `weight` / `bias` names of the linear it replaces; their gradient is partial over tp.
+    """
+
+    def __init__(self, linear: nn.Linear, start: int, length: int):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.start, self.length = start, length
+        _mark_partial(self)
+
+    def forward(self, x):
+        weight = self.weight.narrow(0, self.start, self.length)
+        bias = None if self.bias is None else self.bias.narrow(0, self.start, self.length)
+        return nn.functional.linear(x, weight, bias)
+
+
+def _sliced(param: nn.Parameter, dim: int, start: int, length: int) -> nn.Parameter:
+    assert shard_of(param).dim is None, "already parallelized"
+    local = nn.Parameter(param.detach().narrow(dim, start, length).clone(), requires_grad=param.requires_grad)
+    set_shard(local, ParamShard(full_shape=tuple(param.shape), dim=dim, start=start, length=length))
+    return local
+
+
+def _shard_linear(linear: nn.Linear, dim: int, start: int, length: int) -> None:
+    """Column-parallel (dim 0: output rows, and the bias) or row-parallel (dim 1: input columns)."""
+    linear.weight = _sliced(linear.weight, dim, start, length)
+    if linear.bias is not None:
+        assert dim == 0, "row-parallel layers here have no bias"
+        linear.bias = _sliced(linear.bias, 0, start, length)
+
+
+def _mark_partial(*modules: nn.Module) -> None:
+    for module in modules:
+        for param in module.parameters(recurse=False):
+            set_shard(param, replace(shard_of(param), partial_grad=True))
+
+
+def _enter_hook(group: ProcessGroup, sp: bool):
+    """Before attention / MLP: replicated input whose gradient is summed over tp (or all-gathered with sp)."""
+    def hook(module, args):
+        x = gather_seq(args[0], group) if sp else copy_to_tp(args[0], group)
+        return (x, *args[1:])
+    return hook
+
+
+def _leave_hook(group: ProcessGroup, sp: bool):
+    """After attention / MLP: sum the row-parallel partial outputs (reduce-scatter over sequence with sp)."""
+    def hook(module, args, out):
+        return reduce_scatter_seq(out, group) if sp else reduce_from_tp(out, group)
+    return hook
+
+
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    """A subclass of `cls` whose forward runs under non-reentrant activation checkpointing.
+
+    Swapping the class (as FSDP2's `fully_shard` does) keeps parameter names and survives deepcopy,
+    unlike a wrapper module (adds a name prefix) or an instance-level `forward` (copied by reference).
+    """
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            return checkpoint(super(new_cls, self).forward, *args, use_reentrant=False, **kwargs)
+        new_cls = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
+        _CHECKPOINTED[cls] = new_cls
+    return _CHECKPOINTED[cls]
+
+
+def apply_recompute(model: StageModel, mode: str) -> None:
+    """full: recompute each block (its tp collectives included) in backward; selective: only the attention core."""
+    if mode == "none":
+        return
+    targets: list[nn.Module] = []
+    for block in model.layers.values():
+        targets.append(block if mode == "full" else block.attn.core)
+    for module in targets:
+        assert isinstance(module, (Block, AttentionCore)) and type(module) in (Block, AttentionCore), \
+            "recompute applied twice"
+        module.__class__ = _checkpointed_class(type(module))
