@@ -1,0 +1,96 @@
+"""Everything one rank needs to run its share of a stage: model, optimizer, boundaries, data slice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from heteroflow.backends import ProcessGroups, RankMap, StageBoundary
+from heteroflow.backends.rankmap import RankInfo
+from heteroflow.config import JobConfig, PlanSpec, StageSpec
+from heteroflow.devices.facade import Device
+from heteroflow.models.data_parallel import DataParallelAdamW
+from heteroflow.models.init import init_weights, materialize
+from heteroflow.models.llama import StageModel, build_stage_model
+from heteroflow.models.parallelize import parallelize_stage
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class StageRuntime:
+    """This rank's stage: its model shard, optimizer, and the boundaries to its neighbours."""
+
+    job: JobConfig
+    plan: PlanSpec
+    info: RankInfo
+    stage: StageSpec
+    device: Device
+    groups: ProcessGroups
+    model: StageModel
+    optimizer: DataParallelAdamW
+    prev: StageBoundary | None
+    """Boundary from the previous stage (None on the first stage)."""
+    next: StageBoundary | None
+    """Boundary to the next stage (None on the last stage)."""
+    tied_group: dist.ProcessGroup | None
+    """Ranks of the first and last stage, when the embedding is tied across them."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.info.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.info.stage == len(self.plan.stages) - 1
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype crossing stage boundaries: the training precision."""
+        return _DTYPES[self.job.train.precision]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """Low-precision compute dtype under autocast, or None for fp32."""
+        return None if self.job.train.precision == "fp32" else _DTYPES[self.job.train.precision]
+
+
+def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, groups: ProcessGroups, *,
+                        device: Device, init_from: str | None = None) -> StageRuntime:
+    """Build the model shard (seed-only init, then the plan's layout), optimizer and boundaries.
+
+    Must run on every rank at the same point: it creates the tied-embedding group, a collective call.
+    """
+    info = rank_map.info(groups.rank)
+    k = info.stage
+    stage = plan.stages[k]
+    first, last = plan.layer_ranges()[k]
+    num_stages = len(plan.stages)
+    # Built on the meta device and sharded before any storage exists: a rank allocates only its share.
+    with torch.device("meta"):
+        model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
+                                  is_last=k == num_stages - 1)
+    parallelize_stage(model, layout=stage, tp_group=groups.tp)
+    materialize(model, device.torch_device)
+    if init_from is not None:
+        from heteroflow.models.hf_checkpoint import load_hf_weights
+        load_hf_weights(model, init_from, job_spec=job.model)
+    else:
+        init_weights(model, seed=job.train.seed)
+    t = job.train
+    optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.zero, 2),
+                                  betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+    shape = (plan.micro_batch_size, job.model.seq_length, job.model.hidden_size)
+    dtype = _DTYPES[t.precision]
+    prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtype, device=device.torch_device) if k > 0 else None
+    nxt = StageBoundary(groups, k, shape=shape, dtype=dtype, device=device.torch_device) if k < num_stages - 1 else None
+    tied_group = None
+    if job.model.tie_embeddings and num_stages > 1:
+        # Every rank creates the group (torch requires it); only the two end stages use it.
+        ends = sorted(set(rank_map.stages[0].ranks) | set(rank_map.stages[-1].ranks))
+        group = dist.new_group(ends, backend="gloo")
+        tied_group = group if k in (0, num_stages - 1) else None
+    return StageRuntime(job=job, plan=plan, info=info, stage=stage, device=device, groups=groups, model=model,
+                        optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group)

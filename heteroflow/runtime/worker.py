@@ -1,0 +1,123 @@
+"""The per-rank entry point: join the world, build this rank's stage, train, report metrics (rank 0)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from heteroflow.config import JobConfig, PlanSpec
+from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerArgs:
+    """Everything a worker needs; pickled to each spawned process."""
+
+    job: JobConfig
+    plan: PlanSpec
+    emulate: bool
+    steps: int
+    """Train steps [0, steps)."""
+    data_dir: str
+    """Where the built-in corpus token file is written when the job names no data."""
+    metrics_path: str | None = None
+    predicted_step_time_s: float | None = None
+    timeout_s: float = 600.0
+    """Collective timeout: a stuck rank fails instead of hanging forever."""
+    return_state: bool = False
+    """Return this rank's parameter shards (for equivalence tests)."""
+    show_progress: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerResult:
+    """What a rank hands back: the per-step losses (rank 0) and optionally its parameter shards."""
+
+    losses: tuple[float, ...]
+    state: dict | None
+
+
+def run_worker(args: WorkerArgs) -> WorkerResult:
+    """Train on this rank; every rank of the plan runs it at once."""
+    from heteroflow.backends import RankMap, build_process_groups, init_world
+    from heteroflow.data.builtin import open_train_data
+    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
+    from heteroflow.devices.facade import Device
+    from heteroflow.runtime.lr import learning_rate
+    from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
+    from heteroflow.runtime.stage import build_stage_runtime
+
+    job, plan, train = args.job, args.plan, args.job.train
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    rank_map = RankMap.from_plan(plan, job.cluster)
+    owns_world = not dist.is_initialized()  # a test harness may have joined the world for us
+    rank = init_world(rank_map, timeout_s=args.timeout_s)
+    info = rank_map.info(rank)
+    device = Device.for_vendor(info.vendor, info.local_device, emulate=args.emulate)
+    device.set_current()
+    device.manual_seed(train.seed)
+    groups = build_process_groups(rank_map, emulate=args.emulate, timeout_s=args.timeout_s)
+    init_from = job.resolve_path(train.init_from) if train.init_from else None
+    rt = build_stage_runtime(job, plan, rank_map, groups, device=device, init_from=init_from)
+    data = open_train_data(job, work_dir=args.data_dir)
+    order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
+                        shuffle=train.data.shuffle if train.data else True)
+    num_micro_batches = plan.num_micro_batches(train)
+    global_tokens = train.global_batch_size * job.model.seq_length
+    counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
+    writer = MetricsWriter(args.metrics_path) if rank == 0 else None
+    progress = ProgressBar(args.steps) if rank == 0 and args.show_progress else None
+    losses: list[float] = []
+    try:
+        for step in range(args.steps):
+            started = time.perf_counter()
+            indices = order.global_batch(step)
+            micro_batches = []
+            for m in range(num_micro_batches):
+                share = micro_batch_indices(indices, micro_batch_size=plan.micro_batch_size, micro_batch=m,
+                                            dp=rt.stage.dp, dp_rank=info.dp)
+                micro_batches.append(MicroBatch(*data.batch(share)))
+            loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens)
+            if rt.tied_group is not None:
+                from heteroflow.models.data_parallel import sync_tied_grads
+                sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp)
+            rt.optimizer.reduce_grads()
+            # One world all-reduce carries both the squared-norm shares and the loss.
+            totals = torch.stack([rt.optimizer.grad_sq_norm_share().float().cpu(),
+                                  loss_sum if counts_loss else torch.zeros(())])
+            dist.all_reduce(totals, group=groups.world)
+            grad_norm = math.sqrt(float(totals[0]))
+            clip = min(1.0, train.grad_clip / (grad_norm + 1e-6)) if train.grad_clip > 0 else 1.0
+            rt.optimizer.step(lr=learning_rate(step, train), grad_scale=clip)
+            rt.optimizer.zero_grad()
+            device.synchronize()
+            step_time = time.perf_counter() - started
+            loss = float(totals[1]) / global_tokens
+            losses.append(loss)
+            if rank == 0:
+                record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
+                                    step_time_s=step_time, lr=learning_rate(step, train), grad_norm=grad_norm,
+                                    predicted_step_time_s=args.predicted_step_time_s)
+                writer.write(record)
+                if progress is not None:
+                    progress.update(record)
+            if not math.isfinite(loss):  # every rank knows the loss: all stop together
+                raise FloatingPointError(f"loss became {loss} at step {step}; lower train.lr or check the data")
+    finally:
+        if writer is not None:
+            writer.close()
+    state = None
+    if args.return_state:
+        from heteroflow.models.shard import shard_of
+        state = {name: (p.detach().cpu().clone(), shard_of(p)) for name, p in rt.model.named_parameters()}
+    dist.barrier(group=groups.world)
+    if owns_world:
+        dist.destroy_process_group()
+    return WorkerResult(losses=tuple(losses), state=state)
