@@ -74,6 +74,28 @@ def cmd_import_megatron(args: argparse.Namespace) -> int:
     return emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a job under its plan (or `--plan`), on this machine's devices or emulated."""
+    from heteroflow.config import load_job
+    from heteroflow.runtime.launch import TrainingFailed
+    from heteroflow.runtime.train import TrainOptions, train_job
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    job = load_job(args.job)
+    options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
+                           log_dir=args.log_dir, timeout_s=args.timeout)
+    try:
+        results = train_job(job, options)
+    except TrainingFailed as failure:
+        print(f"heteroflow train: training failed\n{failure}", file=sys.stderr)
+        return 1
+    losses = results[0].losses
+    if losses:
+        print(f"heteroflow train: done, {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+              + (f"; metrics in {args.metrics}" if args.metrics else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="heteroflow", description="Train Transformers on mixed-vendor clusters.")
@@ -91,6 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("validate", cmd_validate, "check a job YAML file")
     p.add_argument("job", metavar="JOB.yaml")
+
+    p = add("train", cmd_train, "train a job: one process per device of its plan")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("--plan", metavar="PLAN.yaml", help="an explicit plan file (from `heteroflow plan -o`)")
+    p.add_argument("--emulate", action="store_true",
+                   help="run every rank as a local CPU process over gloo (vendor labels still pick the transport)")
+    p.add_argument("--steps", type=int, help="override train.steps")
+    p.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON record per step to this file")
+    p.add_argument("--log-dir", metavar="DIR", help="keep every rank's output here (default: a temporary dir)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="collective timeout in seconds: a stuck rank fails instead of hanging (default 600)")
 
     p = add("import-megatron", cmd_import_megatron,
             "turn a Megatron-LM launch script, --yaml-cfg file or NeMo model YAML into a job (never runs it)")

@@ -61,7 +61,8 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=spec.num_processes, run_id=f"heteroflow-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=spec.rdzv_endpoint or f"127.0.0.1:{free_port()}",
-        max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn", role="heteroflow",
+        log_line_prefix_template="[rank ${rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee={0: Std.ALL}),
     )
     try:

@@ -33,10 +33,11 @@ class _Sends:
     def __init__(self) -> None:
         self.pending: deque = deque()
 
-    def add(self, handle) -> None:
+    def start(self, send, tensor: torch.Tensor) -> None:
+        """Start `send(tensor)` once fewer than the boundary's limit are in flight."""
         if len(self.pending) == _MAX_SENDS_IN_FLIGHT:
             self.pending.popleft().wait()
-        self.pending.append(handle)
+        self.pending.append(send(tensor))
 
     def drain(self) -> None:
         while self.pending:
@@ -72,7 +73,7 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                     out = rt.model(x)
             outputs[m] = out
             if not rt.is_last:
-                forward_sends.add(rt.next.send_activation(out.detach().to(rt.activation_dtype)))
+                forward_sends.start(rt.next.send_activation, out.detach().to(rt.activation_dtype))
         else:
             out = outputs.pop(m)
             if rt.is_last:
@@ -82,7 +83,7 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                 out.backward(grad.to(out.dtype))
             x = inputs.pop(m)
             if not rt.is_first:
-                backward_sends.add(rt.prev.send_grad(x.grad.to(rt.activation_dtype)))
+                backward_sends.start(rt.prev.send_grad, x.grad.to(rt.activation_dtype))
     forward_sends.drain()
     backward_sends.drain()
     assert not inputs and not outputs, "every micro-batch must finish its backward"

@@ -82,9 +82,9 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
         check_local_devices(job, plan)
     steps = options.steps if options.steps is not None else job.train.steps
     data_dir = cache_dir() / "data"
-    if job.train.data is None:
-        from heteroflow.data.builtin import build_corpus_bin
-        build_corpus_bin(data_dir / f"builtin-corpus-v{job.model.vocab_size}.bin", vocab_size=job.model.vocab_size)
+    # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
+    from heteroflow.data.builtin import open_train_data
+    open_train_data(job, work_dir=data_dir)
     args = WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps, data_dir=str(data_dir),
                       metrics_path=os.path.abspath(options.metrics_path) if options.metrics_path else None,
                       predicted_step_time_s=predicted_step_time(job, plan, emulate=options.emulate),
