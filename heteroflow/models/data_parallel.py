@@ -111,6 +111,8 @@ class DataParallelAdamW:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad: torch.Tensor | None = None
         self.steps = 0
+        self._counted_runs = self._runs(s for s in self.segments if s.counted)
+        self._decayed_runs = self._runs(s for s in self.segments if s.decay)
 
     def _flat_params(self) -> torch.Tensor:
         device = self.segments[0].param.device if self.segments else None
@@ -124,15 +126,32 @@ class DataParallelAdamW:
         a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
         return (a - self.lo, b - self.lo) if a < b else None
 
+    def _runs(self, segments) -> list[tuple[int, int]]:
+        """The owned parts of `segments`, adjacent ones merged: one tensor op per run instead of per parameter."""
+        runs: list[tuple[int, int]] = []
+        for s in segments:
+            part = self._owned(s)
+            if part is None:
+                continue
+            if runs and runs[-1][1] == part[0]:
+                runs[-1] = (runs[-1][0], part[1])
+            else:
+                runs.append(part)
+        return runs
+
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum partial grads over tp, then sum over dp into this rank's fp32 gradient (shard)."""
         all_reduce_partial_grads(self.model, self.tp_group)
         device = self.master.device
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        flat = torch.empty(self.padded, dtype=torch.float32, device=device)
+        flat[self.numel:].zero_()
         for s in self.segments:
-            if s.param.grad is not None:
-                flat[s.offset:s.offset + s.numel].copy_(s.param.grad.flatten())
+            part = flat[s.offset:s.offset + s.numel]
+            if s.param.grad is None:
+                part.zero_()
+            else:
+                part.view_as(s.param.grad).copy_(s.param.grad)
         if self.dp > 1 and self.zero:
             self.grad = torch.empty(self.hi - self.lo, dtype=torch.float32, device=device)
             _REDUCE_SCATTER(self.grad, flat, group=self.dp_group)
@@ -151,10 +170,9 @@ class DataParallelAdamW:
         total = torch.zeros((), dtype=torch.float32, device=self.master.device)
         if not self.zero and self.dp_rank != 0:
             return total  # every dp rank holds the same reduced gradient: count it on one
-        for s in self.segments:
-            part = self._owned(s)
-            if s.counted and part is not None:
-                total += self.grad[part[0]:part[1]].pow(2).sum()
+        for a, b in self._counted_runs:
+            grad = self.grad[a:b]
+            total += torch.dot(grad, grad)
         return total
 
     @torch.no_grad()
@@ -164,15 +182,16 @@ class DataParallelAdamW:
         assert self.grad is not None, "call reduce_grads() first"
         self.steps += 1
         beta1, beta2 = self.betas
-        grad = self.grad * grad_scale if grad_scale != 1.0 else self.grad
-        for s in self.segments:  # decoupled weight decay, matrices only
-            part = self._owned(s)
-            if s.decay and part is not None and self.weight_decay:
-                self.master[part[0]:part[1]].mul_(1 - lr * self.weight_decay)
+        # In place on this rank's reduced gradient, which is ours and read only here: full-size
+        # temporaries cost page faults on every step on CPU.
+        grad = self.grad.mul_(grad_scale) if grad_scale != 1.0 else self.grad
+        if self.weight_decay:  # decoupled, matrices only
+            for a, b in self._decayed_runs:
+                self.master[a:b].mul_(1 - lr * self.weight_decay)
         self.exp_avg.lerp_(grad, 1 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
-        denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.eps)
+        denom = torch.sqrt(self.exp_avg_sq, out=grad).div_(bias2 ** 0.5).add_(self.eps)  # the gradient is used up
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
         self.grad = None
         full = self.master
