@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 from heteroflow.data.corpus import builtin_documents
@@ -22,9 +23,15 @@ def build_corpus_bin(path: str | Path, *, vocab_size: int) -> Path:
     if path.is_file() and path.stat().st_size == 2 * len(tokens):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    write_token_file(tmp, tokens, "uint16")
-    tmp.replace(path)  # atomic: ranks that race write identical bytes
+    # Each writer gets a temporary file of its own, then renames it into place (atomic): ranks that race
+    # each replace the file with identical bytes. One shared temporary name let a rank rename away the
+    # file another was about to rename.
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        write_token_file(tmp, tokens, "uint16")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -44,6 +45,29 @@ def test_corpus_bin_fits_the_model_and_is_deterministic(tmp_path):
     data = TokenFile(a, seq_length=32)
     data.check_vocab(256)
     assert data.num_samples > 1000 and EOS in data.tokens[:2000]
+
+
+def test_ranks_that_build_the_corpus_file_at_once_all_succeed(tmp_path):
+    # Ranks started directly (run_worker in tests and benchmarks) race to write the same file. With one
+    # shared temporary name this failed in more than half of the attempts with 8 writers.
+    for attempt in range(3):
+        path = tmp_path / f"{attempt}" / "corpus.bin"
+        errors: list[BaseException] = []
+
+        def build(path=path, errors=errors):
+            try:
+                build_corpus_bin(path, vocab_size=256)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=build) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert [p.name for p in path.parent.iterdir()] == ["corpus.bin"]  # no temporary files left
+        TokenFile(path, seq_length=32).check_vocab(256)
 
 
 def test_job_without_train_data_uses_the_builtin_corpus(tmp_path):
