@@ -1,8 +1,10 @@
 """Run one optimizer step's micro-batches through this rank's stage, in its schedule's order.
 
-Receives block when an action needs their data; sends are asynchronous, with at most two in flight per
-direction (the boundary's buffer limit), waited for in the order they were started. Every rank of a
-stage runs the same actions in the same order, so the collectives inside the stage line up.
+Sends are asynchronous, with at most two in flight per direction (the boundary's buffer limit), waited
+for in the order they were started. A receive blocks when an action needs its data; over gloo it was
+posted as soon as the previous receive of its direction arrived, so the transfer overlaps the compute
+in between. Every rank of a stage runs the same actions in the same order, so the collectives inside
+the stage line up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heteroflow.backends import StageBoundary
 from heteroflow.runtime.schedule import FORWARD, stage_actions
 from heteroflow.runtime.stage import StageRuntime
 
@@ -44,6 +47,42 @@ class _Sends:
             self.pending.popleft().wait()
 
 
+class _Recvs:
+    """The `count` receives of one direction, taken in the order the schedule needs them.
+
+    With `ahead`, each is posted as soon as the previous one arrived (one outstanding at a time, so
+    consecutive receives cannot be confused), else only when it is needed.
+    """
+
+    def __init__(self, post, count: int, *, ahead: bool):
+        self._post, self._left, self._ahead = post, count, ahead
+        self._next = self._start() if ahead else None
+
+    def _start(self):
+        if not self._left:
+            return None
+        self._left -= 1
+        return self._post()
+
+    def take(self) -> torch.Tensor:
+        """Wait for the next receive and return its tensor."""
+        handle = self._next or self._start()
+        assert handle is not None, "more receives taken than the schedule has"
+        tensor = handle.wait()
+        self._next = self._start() if self._ahead else None
+        return tensor
+
+
+def receives_ahead(boundary: StageBoundary) -> bool:
+    """Whether receives across `boundary` may be posted before they are needed.
+
+    gloo runs every posted send and receive on its own. NCCL and HCCL run a rank's point-to-point
+    operations with a peer in posting order on one stream: a receive posted early would hold back the
+    sends posted after it, which the peer may be waiting for before it sends what that receive expects.
+    """
+    return boundary.link.backend == "gloo"
+
+
 def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, global_tokens: int) -> torch.Tensor:
     """Forward and backward every micro-batch; gradients accumulate in the model (already scaled by
     1 / `global_tokens`, so they sum to the global-batch mean gradient). Returns this rank's summed
@@ -53,6 +92,11 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     forward_sends, backward_sends = _Sends(), _Sends()
+    num_forwards = sum(action.kind == FORWARD for action in actions)
+    activations = None if rt.is_first else _Recvs(rt.prev.recv_activation, num_forwards,
+                                                   ahead=receives_ahead(rt.prev))
+    grads = None if rt.is_last else _Recvs(rt.next.recv_grad, len(actions) - num_forwards,
+                                            ahead=receives_ahead(rt.next))
     loss_sum = torch.zeros((), dtype=torch.float32)
     autocast = (torch.autocast(rt.device.torch_device.type, dtype=rt.autocast_dtype)
                 if rt.autocast_dtype is not None else contextlib.nullcontext())
@@ -62,7 +106,7 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             if rt.is_first:
                 x = micro_batches[m].tokens.to(rt.device.torch_device)
             else:
-                x = rt.prev.recv_activation().wait().requires_grad_()
+                x = activations.take().requires_grad_()
             inputs[m] = x
             with autocast:
                 if rt.is_last:
@@ -79,7 +123,7 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             if rt.is_last:
                 out.backward()
             else:
-                grad = rt.next.recv_grad().wait()
+                grad = grads.take()
                 out.backward(grad.to(out.dtype))
             x = inputs.pop(m)
             if not rt.is_first:
