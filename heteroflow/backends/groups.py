@@ -69,6 +69,16 @@ class ProcessGroups:
         """This rank's stage."""
         return self.rank_map.info(self.rank).stage
 
+    def member_groups(self) -> list[dist.ProcessGroup]:
+        """Every group `build_process_groups` created that this rank belongs to (not the world), once each."""
+        candidates = [self.stage, self.tp, self.cp, self.dp, self.fanout,
+                      *(link.group for link in (self.prev, self.next) if link is not None)]
+        unique: dict[int, dist.ProcessGroup] = {}
+        for group in candidates:
+            if group is not None:
+                unique.setdefault(id(group), group)
+        return list(unique.values())
+
     def link(self, src_stage: int) -> BoundaryLink:
         """The link between `src_stage` and `src_stage + 1`; this rank must be on one side."""
         for link in (self.prev, self.next):

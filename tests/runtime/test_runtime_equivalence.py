@@ -31,7 +31,13 @@ def three_stage_plan(schedule: str, recompute: str) -> dict:
 
 
 def _train_rank(rank: int, world_size: int, args: WorkerArgs):
-    return run_worker(args)
+    import torch.distributed as dist
+
+    groups_before = len(dist.distributed_c10d._world.pg_map)  # private, but the only census of groups
+    result = run_worker(args)
+    # The harness keeps the world; the run must release its own groups (each holds gloo threads).
+    assert len(dist.distributed_c10d._world.pg_map) == groups_before
+    return result
 
 
 def assemble(results) -> dict[str, torch.Tensor]:
