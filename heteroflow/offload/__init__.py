@@ -1,0 +1,1 @@
+"""Offload: device / CPU / SSD tiers for optimizer state, parameters and activations."""
