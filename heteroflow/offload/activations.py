@@ -68,6 +68,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
+    def __enter__(self) -> ActivationOffload:
+        super().__enter__()
+        return self  # torch's returns None; callers want the stats
+
 
 def activation_context(tier: str, device: Device) -> contextlib.AbstractContextManager:
     """The context for a stage's forward: `ActivationOffload` for tier `cpu`, nothing for `device`."""

@@ -76,8 +76,8 @@ class StreamedAdamW:
     """AdamW over named parameter groups with state in `store` (tier `tier`); see the module docstring.
 
     `params`: group name -> the model's tensors of that group, in a fixed order; their initial values
-    seed the fp32 master weights. Updated values go to those tensors (in place, any device), or to
-    the parameter store chunk of the same group name when `param_store` is given.
+    seed the fp32 master weights. Updated values go to the parameter-store chunk of the same name when
+    `param_store` has one (parameters offloaded by `OffloadedParams`), else to those tensors in place.
     """
 
     def __init__(self, params: Mapping[str, Sequence[torch.Tensor]], *, store: TieredStore, tier: str,
@@ -214,7 +214,7 @@ class StreamedAdamW:
 
     def _emit(self, piece: _Piece, master: torch.Tensor) -> None:
         """Send the piece's updated values to the model's tensors or to the parameter tier."""
-        if self.param_store is not None:
+        if self.param_store is not None and piece.group in self.param_store:
             dtype = self.param_store.layout(piece.group).dtype
             self.param_store.write_slice(piece.group, piece.start, master.to(dtype))
             return

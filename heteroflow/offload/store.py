@@ -128,6 +128,9 @@ class TieredStore:
         """The layout of chunk `name`."""
         return self._layouts[name]
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._layouts
+
     def names(self) -> list[str]:
         """Chunk names in the order they were added."""
         return list(self._layouts)
