@@ -193,6 +193,11 @@ class DeepSpeedAIOEngine(IOEngine):
         if self._pin:  # torch-pinned (cudaHostAlloc) memory is page-aligned and used without a bounce
             return aligned_empty(nbytes, pin_memory=True)
         # Without a GPU runtime torch cannot pin; the op's own page-locked buffers avoid its bounce copy.
+        # The op aborts the process when mlock fails, so check the limit here and say what to change.
+        locked = sum(b.numel() for b in self._locked) + nbytes
+        if locked > memlock_limit_bytes():
+            raise UserError(f"offload I/O needs {locked} bytes of page-locked memory but RLIMIT_MEMLOCK allows "
+                            f"{memlock_limit_bytes()}; raise `ulimit -l` or set {ENGINE_ENV}=threads")
         handle = self._free[0] if self._free else self._busy[0][0]
         buf = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
         assert buf.data_ptr() % ALIGN_BYTES == 0
@@ -267,6 +272,16 @@ def deepspeed_aio_module() -> tuple[Any, str]:
     return _ds_status
 
 
+def memlock_limit_bytes() -> float:
+    """Bytes this process may mlock (infinite for root, whose CAP_IPC_LOCK ignores the limit)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() == 0 or soft == resource.RLIM_INFINITY:
+        return float("inf")
+    return float(soft)
+
+
 def odirect_supported(directory: str) -> bool:
     """Whether files in `directory` can be opened with O_DIRECT (tmpfs and some overlays refuse)."""
     probe = os.path.join(directory, f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
@@ -290,7 +305,9 @@ def open_engine(directory: str, *, prefer: str | None = None, pin_memory: bool =
         raise UserError(f"{ENGINE_ENV}={prefer!r}: expected auto, deepspeed or threads")
     direct = odirect_supported(directory)
     reason = f"{directory} does not support O_DIRECT" if not direct else "HETEROFLOW_AIO=threads"
-    if prefer != "threads" and direct:
+    if prefer != "threads" and direct and not pin_memory and memlock_limit_bytes() < (1 << 30):
+        reason = f"RLIMIT_MEMLOCK is {int(memlock_limit_bytes())} bytes, too little for DeepSpeed's locked buffers"
+    elif prefer != "threads" and direct:
         module, reason = deepspeed_aio_module()
         if module is not None:
             engine = DeepSpeedAIOEngine(module, num_handles=max_in_flight, pin_memory=pin_memory)

@@ -80,3 +80,15 @@ def test_buffered_fallback_where_odirect_is_refused(tmp_path, monkeypatch):
         assert torch.equal(buf, out)
     finally:
         engine.close()
+
+
+def test_small_memlock_limit_picks_the_thread_pool(tmp_path, monkeypatch):
+    # DeepSpeed's op aborts the process when mlock fails; a small `ulimit -l` must route around it.
+    monkeypatch.setattr("heteroflow.offload.aio.memlock_limit_bytes", lambda: float(8 << 20))
+    engine = open_engine(str(tmp_path), prefer="auto")
+    try:
+        assert engine.which == "threads-odirect"
+    finally:
+        engine.close()
+    with pytest.raises(UserError, match="RLIMIT_MEMLOCK"):
+        open_engine(str(tmp_path), prefer="deepspeed")
