@@ -38,6 +38,7 @@ from heteroflow.devices import Device  # noqa: E402
 from heteroflow.offload import DeviceBudget, DeviceBudgetExceeded, OffloadPolicy, StageOffload  # noqa: E402
 
 MIB = 2**20
+LR = 1e-4  # small enough that a 72-block residual stack's loss falls step by step
 
 
 class Block(nn.Module):
@@ -74,7 +75,7 @@ def train_on_device(num: int, hidden: int, tokens: int, steps: int, budget: Devi
     budget.charge(param_bytes, "params")
     budget.charge(param_bytes, "grads")
     budget.charge(2 * param_bytes, "optimizer")  # exp_avg, exp_avg_sq
-    opt = torch.optim.AdamW(blocks.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(blocks.parameters(), lr=LR, weight_decay=0.1)
     losses = []
     for step in range(steps):
         h = _batch(0, hidden, tokens)  # one batch: the loss must fall step by step
@@ -107,7 +108,7 @@ def train_on_ssd(num: int, hidden: int, tokens: int, steps: int, budget: DeviceB
             loss.backward()
             offload.collect_grads()
             offload.clip_grad_norm_(1.0)
-            offload.step(1e-3)
+            offload.step(LR)
             losses.append(loss.item())
         seconds = (time.perf_counter() - start) / steps
         return losses, seconds, offload.which
@@ -152,6 +153,11 @@ def main() -> None:
         best_ssd = num
         print(f"  SSD tier,   {num:3d} blocks: ok, losses {_fmt(losses)}, peak {budget.peak_bytes / MIB:.1f} MiB "
               f"(B {args.budget_mib}), {seconds:.1f} s/step, {state(num) / limit:.2f}x B  [{which}]")
+        if num == sizes[0]:  # the same model without offload and without a budget: same losses?
+            want = train_on_device(num, args.hidden, args.tokens, args.steps, DeviceBudget(None))
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
+            print(f"    same {num} blocks without offload (no budget): losses {_fmt(want)}; max relative "
+                  f"difference {rel:.1e}")
 
     # Width probe: with the SSD tier B binds on one block's size, not on depth.
     for hidden in (3 * args.hidden, 4 * args.hidden):

@@ -47,3 +47,27 @@ def test_traffic_per_step():
                            num_micro_batches=mb)
     assert full.disk_read == 2 * 2 * n * mb + 12 * n and full.disk_write == 2 * n + 12 * n
     assert full.host_to_device == 2 * 2 * n * mb and full.cpu_adam_params == n
+
+
+def test_measure_offload_for_the_profile(tmp_path, monkeypatch):
+    from heteroflow.offload.measure import measure_offload
+
+    monkeypatch.setenv("HETEROFLOW_AIO", "threads")
+    monkeypatch.setenv("HETEROFLOW_CPU_ADAM", "torch")
+    bw = measure_offload(str(tmp_path), nbytes=16 << 20, chunk_bytes=4 << 20, adam_params=1 << 16)
+    assert bw.disk_write_gb_per_s > 0 and bw.disk_read_gb_per_s > 0 and bw.host_copy_gb_per_s > 0
+    assert bw.cpu_adam_params_per_s > 0
+    assert (bw.io_path, bw.adam_path) == ("threads-odirect", "torch-adamw")
+    assert not list(tmp_path.iterdir())  # the scratch directory is gone
+    assert set(bw.to_dict()) >= {"disk_read_gb_per_s", "disk_write_gb_per_s"}
+
+
+def test_policy_imports_without_torch():
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, heteroflow.offload.policy, heteroflow.offload; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.stdout.strip() == "False"  # the planner prices offload on machines without torch
