@@ -133,7 +133,11 @@ class StreamedAdamW:
     # ---- gradients -----------------------------------------------------------------------------
 
     def add_grads(self, group: str, grads: Sequence[torch.Tensor | None]) -> None:
-        """Accumulate one backward's gradients of `group` (same order as its params; None: zero)."""
+        """Accumulate one backward's gradients of `group` (same order as its params; None: zero).
+
+        Unlike torch.optim.AdamW, which skips a parameter whose `.grad` is None, a missing gradient
+        counts as zero here (moments decay, weight decay applies): state lives per chunk, not per tensor.
+        """
         flat = self._grads[group]
         for (start, end), grad in zip(self._offsets[group], grads, strict=True):
             dst = flat[start:end]
@@ -176,6 +180,9 @@ class StreamedAdamW:
     def step(self, lr: float) -> None:
         """One AdamW step with learning rate `lr` over every group, streaming the state chunk by chunk."""
         self.step_count += 1
+        for group, fresh in self._fresh.items():
+            if fresh:  # no gradient arrived for this group: step with zeros, never with stale memory
+                self._grads[group].zero_()
         pieces = self._pieces
         if pieces:
             self.store.prefetch(pieces[0].name, to="host")
