@@ -1,0 +1,148 @@
+"""Memory per device of one pipeline stage: training state, activations, transients and a reserve.
+
+Training state (mixed precision Adam, ZeRO paper accounting): bf16/fp16 weights 2 bytes and gradients
+2 bytes per parameter, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps
+4 + 4 bytes and 8 bytes of moments. Everything is divided by tp (kv heads replicated when tp exceeds them);
+ZeRO over the stage's dp divides the optimizer state (stage >= 1), gradients (>= 2) and weights (3, plus a
+prefetch buffer of two gathered layers). Offloading the optimizer removes its state from the device;
+offloading parameters leaves a window of two layers of weights and of gradients on the device.
+
+Activations stored per block and micro-batch, on one device holding `t` tokens (with flash attention,
+no dropout; h_e = h / tp with sequence parallelism, else h; q and kv the local query and key/value widths):
+- no recompute: t * (4 h_e + 2 q + 2 kv + 3 f/tp) elements (norm inputs and outputs, Q, K, V, attention
+  output, SwiGLU gate, up and product) + 4 bytes per local head and token (softmax statistics);
+- selective (attention core and activation function recomputed): t * (4 h_e + q + 2 kv + 2 f/tp);
+- full (each block recomputed from its input): t * h_e, plus one block's full activations while it runs.
+Micro-batches in flight per stage: 1F1B keeps min(p - k, m) for stage k (p stages, m micro-batches),
+GPipe all m. Activations offloaded to the CPU leave a window of two blocks of one micro-batch.
+The last stage also holds the logits of one micro-batch (bf16 logits + fp32 gradient, 6 bytes per logit).
+Reserve: RESERVE_GIB for the runtime context and communicator buffers plus RESERVE_FRACTION of the
+capacity for allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from heteroflow.config.model import ModelSpec
+from heteroflow.stagemap.compute import (embedding_params_per_device, head_params_per_device, kv_heads_local,
+                                         layer_params_per_device)
+from heteroflow.stagemap.layout import Layout
+
+GIB = float(1 << 30)
+RESERVE_GIB = 1.0
+RESERVE_FRACTION = 0.05
+LOGIT_BYTES = 6
+
+
+def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter."""
+    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+
+
+class Affine(NamedTuple):
+    """Bytes as a function of the stage's layers, in-flight micro-batches and first/last position."""
+
+    const: float = 0.0
+    per_layer: float = 0.0
+    per_layer_in_flight: float = 0.0
+    first: float = 0.0
+    last: float = 0.0
+    both: float = 0.0
+    """Correction when the stage is first and last (a tied LM head needs no copy)."""
+
+    def at(self, layers: int, in_flight: int, first: bool, last: bool) -> float:
+        """The value for a stage with `layers` blocks and `in_flight` micro-batches."""
+        return (self.const + layers * (self.per_layer + in_flight * self.per_layer_in_flight)
+                + self.first * first + self.last * last + self.both * (first and last))
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryModel:
+    """Per-device memory of a stage by component."""
+
+    weights: Affine
+    gradients: Affine
+    optimizer: Affine
+    activations: Affine
+    transient: Affine
+    reserve: Affine
+
+    def components(self, layers: int, in_flight: int, first: bool, last: bool) -> dict[str, float]:
+        """GiB per component."""
+        return {name: getattr(self, name).at(layers, in_flight, first, last) / GIB
+                for name in ("weights", "gradients", "optimizer", "activations", "transient", "reserve")}
+
+    def total(self) -> Affine:
+        """All components summed."""
+        parts = (self.weights, self.gradients, self.optimizer, self.activations, self.transient, self.reserve)
+        return Affine(*map(sum, zip(*parts)))
+
+
+def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, recompute: str, dtype_bytes: int) -> float:
+    """Stored activations of one block for one micro-batch on one device."""
+    h, d = model.hidden_size, model.kv_channels
+    h_e = h / tp if sp else h
+    q, kv = model.num_attention_heads // tp * d, kv_heads_local(model, tp) * d
+    f_loc = model.ffn_hidden_size / tp
+    up = 2 if model.activation == "swiglu" else 1
+    if recompute == "full":
+        return tokens * h_e * dtype_bytes
+    if recompute == "selective":
+        return tokens * dtype_bytes * (4 * h_e + q + 2 * kv + up * f_loc)
+    return tokens * dtype_bytes * (4 * h_e + 2 * q + 2 * kv + (up + 1) * f_loc) + tokens * 4 * (q // d)
+
+
+def memory_model(model: ModelSpec, layout: Layout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
+    """The memory model of one device of a stage with `layout`, `tokens` tokens per micro-batch per device."""
+    return _memory_model(model, layout.tp, layout.dp, layout.sp, layout.zero, layout.recompute,
+                         layout.offload.optimizer != "device", layout.offload.params != "device",
+                         layout.offload.activations != "device", tokens, precision, capacity_gib)
+
+
+def _memory_model(model: ModelSpec, tp: int, dp: int, sp: bool, zero: int, recompute: str, off_optimizer: bool,
+                  off_params: bool, off_activations: bool, tokens: float, precision: str,
+                  capacity_gib: float) -> MemoryModel:
+    wb, gb, ob = state_bytes_per_param(precision)
+    p_layer, p_embed, p_head, tied = _params(model, tp)
+    window = (2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer))
+
+    def state(per_param: float, div: int) -> Affine:
+        k = per_param / div
+        return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
+
+    def windowed(per_param: float) -> Affine:
+        return Affine(window[0] * per_param, 0.0, 0.0, window[1] * per_param, window[2] * per_param, 0.0)
+
+    if off_params:
+        weights, gradients = windowed(wb), windowed(gb)
+    else:
+        weights = state(wb, dp if zero >= 3 else 1)
+        if zero >= 3:
+            weights = Affine(*(x + y for x, y in zip(weights, windowed(wb))))
+        gradients = state(gb, dp if zero >= 2 else 1)
+    optimizer = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0) if off_optimizer else state(ob, dp if zero >= 1 else 1)
+    stored = activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=recompute, dtype_bytes=wb)
+    working = 0.0
+    if recompute == "full":
+        working = activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute="none", dtype_bytes=wb)
+    elif recompute == "selective":
+        working = tokens * wb * (model.num_attention_heads // tp * model.kv_channels + model.ffn_hidden_size / tp)
+    if off_activations:
+        activations = Affine(2 * stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
+    else:
+        activations = Affine(working, 0.0, stored, 0.0, 0.0, 0.0)
+    transient = Affine(0.0, 0.0, 0.0, 0.0, tokens * model.vocab_size / tp * LOGIT_BYTES, 0.0)
+    reserve = Affine((RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, 0.0, 0.0, 0.0, 0.0, 0.0)
+    return MemoryModel(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations,
+                       transient=transient, reserve=reserve)
+
+
+@lru_cache(maxsize=1024)
+def _params(model: ModelSpec, tp: int) -> tuple[float, float, float, float]:
+    """(per block, first-stage extra, last-stage extra, tied-head saving when first and last) per device."""
+    tied = -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0
+    return (layer_params_per_device(model, tp), embedding_params_per_device(model, tp),
+            head_params_per_device(model, tp, single_stage=False), tied)
