@@ -30,7 +30,8 @@ from heteroflow.stagemap.compute import (embedding_params_per_device, embedding_
                                          ATTENTION_BACKWARD_FACTOR)
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.stagemap.layout import Layout
-from heteroflow.stagemap.memory import Affine, MemoryModel, activation_bytes, memory_model, state_bytes_per_param
+from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, memory_from_parts,
+                                        memory_parts, state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
 
@@ -149,7 +150,7 @@ def costs_from_base(model: ModelSpec, precision: str, hw: StageHardware, layout:
         emb_f, emb_b, head_f, head_b = (emb_f + b.zero3_extras[0], emb_b + b.zero3_extras[1],
                                         head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
     tail_const, tail_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb, b.ob)
-    mem = memory_model(model, layout, tokens=b.tokens, precision=precision, capacity_gib=hw.device.memory_gib)
+    mem = memory_from_parts(b.memory, layout)
     return StageCosts(fwd_layer_s=fwd_layer, bwd_layer_s=bwd_layer, fwd_first_s=emb_f, bwd_first_s=emb_b,
                       fwd_last_s=head_f, bwd_last_s=head_b, tail_const_s=tail_const, tail_per_param_s=tail_per_param,
                       params=b.params, memory=mem, memory_total=mem.total())
@@ -181,6 +182,7 @@ class _Base:
     params: Affine
     stored: dict = field(hash=False)
     """Stored activation bytes per block and micro-batch, by recompute mode."""
+    memory: MemoryParts = field(hash=False)
 
 
 @lru_cache(maxsize=20_000)
@@ -224,7 +226,9 @@ def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int,
                  scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=wb)
-                         for rc in ("none", "selective", "full")})
+                         for rc in ("none", "selective", "full")},
+                 memory=memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
+                                     capacity_gib=dev.memory_gib))
 
 
 def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[float, float]:

@@ -57,92 +57,116 @@ def _insert(front: list[_Entry], entry: _Entry) -> None:
     front.append(entry)
 
 
-def shifted(options: list[dict[int, list[Option]]], shift_f: list[float], shift_b: list[float]) -> list[dict[int, list[Option]]]:
-    """Options with boundary transfers added (the same to every option of a stage, so dominance holds)."""
-    return [{layers: [Option(o.layers, o.forward_s + sf, o.backward_s + sb, o.tail_s, o.layout) for o in opts]
-             for layers, opts in table.items()} for table, sf, sb in zip(options, shift_f, shift_b)]
+class DictTable:
+    """A stage's options given as `{layers: [Option, ...]}` (tests, small callers)."""
+
+    def __init__(self, table: dict[int, list[Option]], max_layers: int):
+        self._table = table
+        self.least = np.full(max_layers, np.inf)
+        for layers, opts in table.items():
+            if opts and layers <= max_layers:
+                self.least[layers - 1] = min(o.forward_s + o.backward_s for o in opts)
+        self.least_tail = min((o.tail_s for opts in table.values() for o in opts), default=np.inf)
+
+    def options(self, layers: int) -> list[Option]:
+        return self._table.get(layers, [])
+
+    def fastest(self, layers: int) -> Option | None:
+        opts = self._table.get(layers)
+        return min(opts, key=lambda o: (o.forward_s + o.backward_s, o.tail_s)) if opts else None
 
 
-def fill_bound(least: list[np.ndarray], num_layers: int, m: int) -> np.ndarray:
-    """G[k, r]: the least possible max_{k' >= k} (sum_{k <= l < k'} t_l + m t_k') when stages k.. hold r layers,
-    with t_l >= least[l][layers - 1] (the fastest layout that fits). Every stage k of a plan satisfies
-    step >= sum_{l<k} t_l + m t_k (the first micro-batch reaches it, it then runs all m, the last gradient
-    leaves it), so step >= G[0, L], and a partial plan with prefix sum P of t over its k stages needs at
-    least P + G[k, remaining layers]. Exact recursion: G[k, r] = min_l max(m t_k(l), t_k(l) + G[k+1, r-l])."""
+def fill_bound(least: list[np.ndarray], num_layers: int, m: int, own: list[np.ndarray] | None = None) -> np.ndarray:
+    """G[k, r]: the least possible max_{k' >= k} (sum_{k <= l < k'} t_l + m t_k' + tail_k') when stages k..
+    hold r layers, with t_l >= least[l][layers - 1] (the fastest layout that fits) and m t + tail >=
+    own[l][layers - 1] (the least over the layouts that fit; m * least when not given).
+
+    Every stage k of a plan satisfies step >= sum_{l<k} t_l + m t_k + tail_k (the first micro-batch reaches
+    it, it then runs all m, the last gradient leaves it, and the step's tail waits for its own), so step >=
+    G[0, L], and a partial plan with prefix sum P of t over its first k stages needs at least
+    P + G[k, remaining layers]. Exact recursion: G[k, r] = min_l max(own_k(l), t_k(l) + G[k+1, r-l])."""
     p = len(least)
     G = np.full((p + 1, num_layers + 1), np.inf)
-    G[p, 0] = 0.0  # max over no stages; the max with m t_k below keeps the last stage's own term
+    G[p, 0] = -np.inf  # no stages after the last: only its own term counts
     r = np.arange(num_layers + 1)
     for k in range(p - 1, -1, -1):
         t = np.asarray(least[k][:num_layers], dtype=float)
-        layers = np.arange(1, len(t) + 1)
-        idx = r[None, :] - layers[:, None]  # [layers - 1, r]: layers left for the stages after k
-        rest = np.where(idx >= 0, G[k + 1][np.clip(idx, 0, None)], np.inf)
-        cand = np.maximum(m * t[:, None], t[:, None] + rest)
-        G[k] = cand.min(axis=0) if len(t) else np.inf
+        if len(t) == 0:
+            continue
+        own_k = np.asarray(own[k][: len(t)], dtype=float) if own is not None else m * t
+        idx = r[None, :] - np.arange(1, len(t) + 1)[:, None]  # layers left for stages after k
+        rest = np.where(idx >= 0, G[k + 1][np.maximum(idx, 0)], np.inf)
+        G[k] = np.maximum(own_k[:, None], t[:, None] + rest).min(axis=0)
     return G
 
 
-def solve(options: list[dict[int, list[Option]]], num_layers: int, m: int, schedule: str,
-          incumbent: float = float("inf"), fill: np.ndarray | None = None) -> tuple[float, list[Option]] | None:
-    """Best (step time, options per stage) for stages with the given option tables, or None if nothing
-    beats `incumbent`. `options[k][layers]` lists stage k's options with that many layers; `fill` is
-    `fill_bound` for these stages (optional, for pruning)."""
-    p = len(options)
+def solve(tables: list, num_layers: int, m: int, schedule: str, incumbent: float = float("inf"),
+          fill: np.ndarray | None = None) -> tuple[float, list[Option]] | None:
+    """Best (step time, options per stage), or None if nothing beats `incumbent`.
+
+    `tables[k]` gives stage k's options: `.options(layers)`, `.least` (least F + B by layer count, inf
+    where nothing fits; non-decreasing where finite) and `.least_tail`; `fill` is `fill_bound` for these
+    stages (optional, for pruning)."""
+    p = len(tables)
     if p > num_layers:
         return None
-    # Prune options that alone reach the incumbent, and find the layer range each stage can still take.
-    tables: list[dict[int, list[Option]]] = []
-    for table in options:
-        kept = {}
-        for layers, opts in table.items():
-            good = [o for o in opts if m * (o.forward_s + o.backward_s) + o.tail_s < incumbent]
-            if good:
-                kept[layers] = good
-        if not kept:
+    top = num_layers - p + 1
+    hi, first_t, slope = [], [], []
+    for table in tables:
+        least = np.asarray(table.least[:top], dtype=float)
+        # step >= m (F + B) + tail for every stage: layer counts whose best option reaches the incumbent are out.
+        useful = np.flatnonzero(np.isfinite(least) & (m * least + table.least_tail < incumbent))
+        if len(useful) == 0:
             return None
-        tables.append(kept)
-    max_layers = [max(t) for t in tables]
-    min_t1 = [min(o.forward_s + o.backward_s for o in t[min(t)]) for t in tables]
-    min_layers = [min(t) for t in tables]
-    slope = [min((o.forward_s + o.backward_s) / o.layers for opts in t.values() for o in opts) for t in tables]
+        hi.append(int(useful[-1]) + 1)
+        head = least[: hi[-1]]
+        first_t.append(float(np.min(head)))
+        # With least non-decreasing (real tables), a stage's F + B grows by at least the smallest step per
+        # extra layer; otherwise only its minimum is a safe bound.
+        with np.errstate(invalid="ignore"):
+            steps = np.diff(head)
+        slope.append(float(steps.min()) if np.all(np.isfinite(head)) and len(steps) and steps.min() >= 0 else 0.0)
     suffix_cap = [0] * (p + 1)
-    suffix_min_layers = [0] * (p + 1)
     suffix_t = [0.0] * (p + 1)
-    suffix_slope = [float("inf")] * (p + 1)
+    suffix_slope = [np.inf] * (p + 1)
     for k in range(p - 1, -1, -1):
-        suffix_cap[k] = suffix_cap[k + 1] + max_layers[k]
-        suffix_min_layers[k] = suffix_min_layers[k + 1] + min_layers[k]
-        suffix_t[k] = suffix_t[k + 1] + min_t1[k]
+        suffix_cap[k] = suffix_cap[k + 1] + hi[k]
+        suffix_t[k] = suffix_t[k + 1] + first_t[k]
         suffix_slope[k] = min(suffix_slope[k + 1], slope[k])
-    if suffix_cap[0] < num_layers or suffix_min_layers[0] > num_layers:
+    if suffix_cap[0] < num_layers:
         return None
 
     gpipe = schedule == "gpipe"
     start = (0.0, 0.0, 0.0, 0.0) if gpipe else (0.0, 0.0, 0.0, NEG, NEG, NEG, 0.0, 0.0, 0.0)
     fronts: dict[int, list[_Entry]] = {0: [_Entry(start, None, None)]}
+    cache: dict[tuple[int, int], list[Option]] = {}
     for k in range(p):
         w = min(p - 1 - k, m)
         u = min(w, m - 1)
         n = m - w - 1
         nxt: dict[int, list[_Entry]] = {}
+        later = p - 1 - k
         for used, front in fronts.items():
-            lo = max(min_layers[k], num_layers - used - suffix_cap[k + 1])
-            hi = min(max_layers[k], num_layers - used - suffix_min_layers[k + 1])
-            for layers in range(lo, hi + 1):
-                opts = tables[k].get(layers)
+            lo = max(1, num_layers - used - suffix_cap[k + 1])
+            top_k = min(hi[k], num_layers - used - later)
+            for layers in range(lo, top_k + 1):
+                key = (k, layers)
+                if key not in cache:
+                    cache[key] = [o for o in tables[k].options(layers)
+                                  if m * (o.forward_s + o.backward_s) + o.tail_s < incumbent]
+                opts = cache[key]
                 if not opts:
                     continue
                 rest = num_layers - used - layers
-                rem = suffix_t[k + 1] + max(0, rest - suffix_min_layers[k + 1]) * suffix_slope[k + 1] if k + 1 < p else 0.0
-                ahead = fill[k + 1, rest] if fill is not None and k + 1 < p else 0.0
+                rem = suffix_t[k + 1] + (rest - later) * suffix_slope[k + 1] if later else 0.0
+                ahead = fill[k + 1, rest] if fill is not None and later else -np.inf
                 bucket = nxt.setdefault(used + layers, [])
                 for entry in front:
                     for o in opts:
                         vec = _step_gpipe(entry.vec, o) if gpipe else _step_1f1b(entry.vec, o, u, n, m)
-                        if vec[0] + ahead + vec[-1] >= incumbent:
+                        if vec[0] + ahead >= incumbent:
                             continue
-                        if _lower_bound(vec, rem, gpipe, m, last=k + 1 == p) >= incumbent:
+                        if _lower_bound(vec, rem, gpipe, m, last=not later) >= incumbent:
                             continue
                         _insert(bucket, _Entry(vec, entry, o))
         fronts = {used: f for used, f in nxt.items() if f}
@@ -214,51 +238,39 @@ def _lower_bound(vec: tuple, rem: float, gpipe: bool, m: int, last: bool) -> flo
     return max(DONE, GA + finish, GD + finish, Gt - P + 2 * finish, H + finish) + TAIL
 
 
-def greedy(options: list[dict[int, list[Option]]], num_layers: int, m: int, schedule: str) -> tuple[float, list[Option]] | None:
-    """A quick good plan to start branch and bound from: balance F + B under the smallest bottleneck that
-    can hold every layer, each stage on its fastest option."""
-    import bisect
+def greedy(tables: list, num_layers: int, m: int, schedule: str) -> tuple[float, list[Option]] | None:
+    """A quick good plan to start branch and bound from: the smallest bottleneck F + B that lets the stages
+    hold every layer, each stage on its fastest option, then layers taken off the slowest stages."""
     from heteroflow.stagemap.pipeline import pipeline_time
-    p = len(options)
-    if p > num_layers or any(not t for t in options):
+    p = len(tables)
+    if p > num_layers:
         return None
-    fastest, counts, times = [], [], []
-    for t in options:
-        best = {layers: min(opts, key=lambda o: (o.forward_s + o.backward_s, o.tail_s)) for layers, opts in t.items()}
-        ks = sorted(best)
-        fastest.append(best)
-        counts.append(ks)
-        times.append([best[x].forward_s + best[x].backward_s for x in ks])  # non-decreasing in layers
+    top = num_layers - p + 1
+    least = [np.asarray(t.least[:top], dtype=float) for t in tables]
+    if any(not np.isfinite(x[0]) for x in least):
+        return None
 
-    def most_layers(k: int, tau: float) -> int:
-        i = bisect.bisect_right(times[k], tau)
-        return counts[k][i - 1] if i else 0
+    def most_layers(tau: float) -> list[int]:
+        # least is non-decreasing where finite, inf beyond what fits
+        return [int(np.searchsorted(np.where(np.isfinite(x), x, np.inf), tau, side="right")) for x in least]
 
-    taus = sorted({x for t in times for x in t})
-    lo, hi = 0, len(taus) - 1
-
-    def enough(tau: float) -> bool:
-        got = [most_layers(k, tau) for k in range(p)]
-        return all(got) and sum(got) >= num_layers
-
-    if not enough(taus[hi]):
+    pool = np.unique(np.concatenate([x[np.isfinite(x)] for x in least]))
+    lo, hi = 0, len(pool) - 1
+    if sum(most_layers(pool[hi])) < num_layers:
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        if enough(taus[mid]):
+        got = most_layers(pool[mid])
+        if min(got) >= 1 and sum(got) >= num_layers:
             hi = mid
         else:
             lo = mid + 1
-    layers = [most_layers(k, taus[lo]) for k in range(p)]
+    layers = most_layers(pool[lo])
     while sum(layers) > num_layers:
-        order = sorted(range(p), key=lambda k: -(fastest[k][layers[k]].forward_s + fastest[k][layers[k]].backward_s))
-        for k in order:
-            i = counts[k].index(layers[k])
-            if i > 0:
-                layers[k] = counts[k][i - 1]
-                break
-        else:
-            return None
-    chosen = [fastest[k][layers[k]] for k in range(p)]
+        k = max((k for k in range(p) if layers[k] > 1), key=lambda k: least[k][layers[k] - 1])
+        layers[k] -= 1
+    chosen = [tables[k].fastest(layers[k]) for k in range(p)]
+    if any(o is None for o in chosen):
+        return None
     value = pipeline_time([o.forward_s for o in chosen], [o.backward_s for o in chosen], m, schedule)
     return value + max(o.tail_s for o in chosen), chosen

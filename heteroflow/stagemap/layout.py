@@ -19,7 +19,8 @@ OFFLOAD_CHOICES = (
     OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"),
     OffloadSpec(optimizer="ssd", params="ssd", activations="cpu"),
 )
-"""Offload combinations searched: parameters leave the device only together with the optimizer state."""
+"""Offload combinations searched: parameters leave the device only together with the optimizer state, and
+(with dp > 1) only under ZeRO-3, as in ZeRO-Infinity."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,5 +91,7 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
                     continue
                 for rc in recompute:
                     for off in offload:
+                        if off.params != "device" and dp > 1 and z != 3:
+                            continue
                         out.append(Layout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off))
     return out

@@ -95,49 +95,80 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
     return tokens * dtype_bytes * (4 * h_e + 2 * q + 2 * kv + (up + 1) * f_loc) + tokens * 4 * (q // d)
 
 
-def memory_model(model: ModelSpec, layout: Layout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
-    """The memory model of one device of a stage with `layout`, `tokens` tokens per micro-batch per device."""
-    return _memory_model(model, layout.tp, layout.dp, layout.sp, layout.zero, layout.recompute,
-                         layout.offload.optimizer != "device", layout.offload.params != "device",
-                         layout.offload.activations != "device", tokens, precision, capacity_gib)
+@dataclass(frozen=True, slots=True)
+class MemoryParts:
+    """What a stage's memory depends on before ZeRO, recompute and offload (shared by many layouts)."""
+
+    p_layer: float
+    p_embed: float
+    p_head: float
+    tied: float
+    stored: dict
+    """Stored activation bytes per block and micro-batch, by recompute mode."""
+    working: dict
+    """Transient activation bytes while a block is recomputed, by recompute mode."""
+    logits: float
+    reserve: float
+    wb: int
+    gb: int
+    ob: int
 
 
-def _memory_model(model: ModelSpec, tp: int, dp: int, sp: bool, zero: int, recompute: str, off_optimizer: bool,
-                  off_params: bool, off_activations: bool, tokens: float, precision: str,
-                  capacity_gib: float) -> MemoryModel:
+def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precision: str,
+                 capacity_gib: float) -> MemoryParts:
+    """The layout-independent pieces of a stage's memory."""
     wb, gb, ob = state_bytes_per_param(precision)
     p_layer, p_embed, p_head, tied = _params(model, tp)
-    window = (2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer))
+    stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=wb)
+              for rc in ("none", "selective", "full")}
+    working = {"none": 0.0, "full": stored["none"],
+               "selective": tokens * wb * (model.num_attention_heads // tp * model.kv_channels
+                                           + model.ffn_hidden_size / tp)}
+    return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
+                       logits=tokens * model.vocab_size / tp * LOGIT_BYTES,
+                       reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob)
+
+
+def memory_model(model: ModelSpec, layout: Layout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
+    """The memory model of one device of a stage with `layout`, `tokens` tokens per micro-batch per device."""
+    parts = memory_parts(model, tp=layout.tp, sp=layout.sp, tokens=tokens, precision=precision,
+                         capacity_gib=capacity_gib)
+    return memory_from_parts(parts, layout)
+
+
+def memory_from_parts(parts: MemoryParts, layout: Layout) -> MemoryModel:
+    """Apply a layout's ZeRO stage, recompute and offload to the shared pieces."""
+    dp, zero, off = layout.dp, layout.zero, layout.offload
+    p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
+    w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
 
     def state(per_param: float, div: int) -> Affine:
         k = per_param / div
         return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
 
-    def windowed(per_param: float) -> Affine:
-        return Affine(window[0] * per_param, 0.0, 0.0, window[1] * per_param, window[2] * per_param, 0.0)
-
-    if off_params:
-        weights, gradients = windowed(wb), windowed(gb)
+    if off.params != "device":
+        weights = Affine(w0 * parts.wb, 0.0, 0.0, w1 * parts.wb, w2 * parts.wb, 0.0)
+        gradients = Affine(w0 * parts.gb, 0.0, 0.0, w1 * parts.gb, w2 * parts.gb, 0.0)
     else:
-        weights = state(wb, dp if zero >= 3 else 1)
         if zero >= 3:
-            weights = Affine(*(x + y for x, y in zip(weights, windowed(wb))))
-        gradients = state(gb, dp if zero >= 2 else 1)
-    optimizer = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0) if off_optimizer else state(ob, dp if zero >= 1 else 1)
-    stored = activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=recompute, dtype_bytes=wb)
-    working = 0.0
-    if recompute == "full":
-        working = activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute="none", dtype_bytes=wb)
-    elif recompute == "selective":
-        working = tokens * wb * (model.num_attention_heads // tp * model.kv_channels + model.ffn_hidden_size / tp)
-    if off_activations:
+            k = parts.wb / dp
+            weights = Affine(w0 * parts.wb, p_layer * k, 0.0, p_embed * k + w1 * parts.wb, p_head * k + w2 * parts.wb,
+                             tied * k)
+        else:
+            weights = state(parts.wb, 1)
+        gradients = state(parts.gb, dp if zero >= 2 else 1)
+    optimizer = _ZERO if off.optimizer != "device" else state(parts.ob, dp if zero >= 1 else 1)
+    stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
+    if off.activations != "device":
         activations = Affine(2 * stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
     else:
         activations = Affine(working, 0.0, stored, 0.0, 0.0, 0.0)
-    transient = Affine(0.0, 0.0, 0.0, 0.0, tokens * model.vocab_size / tp * LOGIT_BYTES, 0.0)
-    reserve = Affine((RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, 0.0, 0.0, 0.0, 0.0, 0.0)
     return MemoryModel(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations,
-                       transient=transient, reserve=reserve)
+                       transient=Affine(0.0, 0.0, 0.0, 0.0, parts.logits, 0.0),
+                       reserve=Affine(parts.reserve, 0.0, 0.0, 0.0, 0.0, 0.0))
+
+
+_ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 @lru_cache(maxsize=1024)

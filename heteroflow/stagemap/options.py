@@ -108,6 +108,7 @@ def slot_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, m
     if len(live) == 0:
         empty = np.zeros((max_layers, 0))
         return SlotCurve(empty, empty, empty, empty.astype(bool), [], np.full(max_layers, np.inf), np.inf)
+    live = np.array(sorted(live), dtype=int)  # table order: simpler layouts first
     fwd = c[live, _F][None, :] * layers + f0[live][None, :]
     bwd = c[live, _B][None, :] * layers + b0[live][None, :]
     tail = c[live, _TL][None, :] * layers + t0[live][None, :]
@@ -117,9 +118,11 @@ def slot_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, m
     return SlotCurve(fwd, bwd, tail, fits, [table.layouts[i] for i in live], least, least_tail)
 
 
-def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, max_layers: int) -> tuple[np.ndarray, float]:
-    """(least F + B by layer count over the layouts that fit, least tail of a layout that fits one layer),
-    boundary transfers excluded: what the planner's bounds need, without the per-position reduction."""
+def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, max_layers: int,
+                micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+    """By layer count, over the layouts that fit: (least F + B, least m (F + B) + tail) with m =
+    `micro_batches`, boundary transfers excluded; inf where nothing fits. What the planner's bounds need,
+    without the per-position reduction."""
     c = table.coef
     both = first and last
     f0 = c[:, _FF] * first + c[:, _FL] * last + c[:, _BF] * first + c[:, _BL] * last
@@ -127,31 +130,52 @@ def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, 
     m0 = c[:, _MC] + c[:, _MF] * first + c[:, _MLA] * last + c[:, _MB] * both
     mslope = c[:, _ML] + in_flight * c[:, _MI]
     layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
+    if not len(c):
+        return np.full(max_layers, np.inf), np.full(max_layers, np.inf)
     fits = m0[None, :] + mslope[None, :] * layers <= table.capacity_bytes
-    least = np.where(fits, (c[:, _F] + c[:, _B])[None, :] * layers + f0[None, :], np.inf).min(axis=1) \
-        if len(c) else np.full(max_layers, np.inf)
-    least_tail = float(np.where(fits[0], c[:, _TL] + t0, np.inf).min()) if len(c) else np.inf
-    return least, least_tail
+    time = (c[:, _F] + c[:, _B])[None, :] * layers + f0[None, :]
+    least = np.where(fits, time, np.inf).min(axis=1)
+    own = np.where(fits, micro_batches * time + c[:, _TL][None, :] * layers + t0[None, :], np.inf).min(axis=1)
+    return least, own
 
 
-def slot_options(curve: SlotCurve, *, recv_in: float, recv_out: float) -> dict[int, list[Option]]:
-    """For each layer count, the options that fit and are not dominated in (forward, backward, tail)."""
-    fwd, bwd, tail, fits = curve.forward, curve.backward, curve.tail, curve.fits
-    n = fwd.shape[1]
-    out: dict[int, list[Option]] = {}
-    if n == 0:
-        return out
-    # dominated[l, i]: some layout j that fits beats i (<= in all three, < in one, or equal and j < i).
-    le = ((fwd[:, None, :] <= fwd[:, :, None]) & (bwd[:, None, :] <= bwd[:, :, None])
-          & (tail[:, None, :] <= tail[:, :, None]) & fits[:, None, :])
-    lt = ((fwd[:, None, :] < fwd[:, :, None]) | (bwd[:, None, :] < bwd[:, :, None])
-          | (tail[:, None, :] < tail[:, :, None]) | np.tri(n, k=-1, dtype=bool)[None, :, :])
-    keep = fits & ~np.any(le & lt, axis=2)
-    for l_idx, i in zip(*np.nonzero(keep)):
-        out.setdefault(int(l_idx) + 1, []).append(
-            Option(int(l_idx) + 1, float(fwd[l_idx, i]) + recv_in, float(bwd[l_idx, i]) + recv_out,
-                   float(tail[l_idx, i]), curve.layouts[i]))
-    return out
+class StageOptions:
+    """A stage's options at one position with its boundary transfers, for the dynamic program: the options
+    of a layer count are reduced to those not dominated in (forward, backward, tail) when first asked for."""
+
+    def __init__(self, curve: SlotCurve, recv_in: float, recv_out: float):
+        self.curve = curve
+        self.recv_in, self.recv_out = recv_in, recv_out
+        self.least = curve.least_time + (recv_in + recv_out)
+        self.least_tail = curve.least_tail
+        """Least tail of any option (at one layer: tails grow with layers)."""
+        self._front: dict[int, list[int]] = {}
+
+    def _pareto(self, layers: int) -> list[int]:
+        if layers not in self._front:
+            c, row = self.curve, layers - 1
+            if row >= c.fits.shape[0] or c.fits.shape[1] == 0:
+                self._front[layers] = []
+            else:
+                idx = np.flatnonzero(c.fits[row])
+                f, b, t = c.forward[row, idx], c.backward[row, idx], c.tail[row, idx]
+                le = (f[None, :] <= f[:, None]) & (b[None, :] <= b[:, None]) & (t[None, :] <= t[:, None])
+                lt = ((f[None, :] < f[:, None]) | (b[None, :] < b[:, None]) | (t[None, :] < t[:, None])
+                      | np.tri(len(idx), k=-1, dtype=bool))
+                self._front[layers] = [int(i) for i in idx[~np.any(le & lt, axis=1)]]
+        return self._front[layers]
+
+    def options(self, layers: int) -> list[Option]:
+        """Options with `layers` layers that fit and that no other beats in (F, B, tail); ties keep the
+        simplest layout (the table's order)."""
+        c, row = self.curve, layers - 1
+        return [Option(layers, float(c.forward[row, i]) + self.recv_in, float(c.backward[row, i]) + self.recv_out,
+                       float(c.tail[row, i]), c.layouts[i]) for i in self._pareto(layers)]
+
+    def fastest(self, layers: int) -> Option | None:
+        """The option with the least F + B (then tail)."""
+        opts = self.options(layers)
+        return min(opts, key=lambda o: (o.forward_s + o.backward_s, o.tail_s)) if opts else None
 
 
 @dataclass(frozen=True, slots=True)

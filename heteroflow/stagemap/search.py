@@ -19,11 +19,11 @@ import numpy as np
 from heteroflow.config.job import JobConfig
 from heteroflow.config.plan import PlanSpec, StageSpec
 from heteroflow.stagemap.costs import StageHardware
-from heteroflow.stagemap.dp import Option, fill_bound, greedy, shifted, solve
+from heteroflow.stagemap.dp import fill_bound, greedy, solve
 from heteroflow.stagemap.estimate import boundary_times
 from heteroflow.stagemap.hardware import Hardware
-from heteroflow.stagemap.options import (LayoutTable, QuickStats, SlotCurve, layout_table, least_curve, quick_stats,
-                                         slot_curve, slot_options)
+from heteroflow.stagemap.options import (LayoutTable, QuickStats, SlotCurve, StageOptions, layout_table, least_curve,
+                                         quick_stats, slot_curve)
 from heteroflow.stagemap.pipeline import in_flight
 from heteroflow.stagemap.space import (DeviceClass, Group, SearchOptions, device_classes, groups, layouts_for,
                                        micro_batch_sizes, templates)
@@ -49,7 +49,6 @@ class Planner:
         self.classes = device_classes(job, set(hardware.devices), options.device_types)
         self._tables: dict[tuple, LayoutTable] = {}
         self._stats: dict[tuple, QuickStats] = {}
-        self._slots: dict[tuple, dict[int, list[Option]]] = {}
         self._curves: dict[tuple, SlotCurve] = {}
         self._least: dict[tuple, tuple[np.ndarray, float]] = {}
         self._placements: dict[tuple, tuple] = {}
@@ -77,10 +76,21 @@ class Planner:
         """The template's stages (class, size, group) and the boundary transfer times between them."""
         key = (tpl, mbs)
         if key not in self._placements:
-            slots = [(c, size, g) for c, size in tpl for g in groups(self.classes[c], size)]
+            slots = [(c, size, g) for c, size in tpl for g in self.groups(c, size)]
             placed = [(self.shape(c, size), g.nodes) for c, size, g in slots]
             self._placements[key] = slots, boundary_times(self.job, self.hardware, placed, mbs)
         return self._placements[key]
+
+    def groups(self, c: int, size: int) -> list[Group]:
+        """The groups a class is cut into at this size (cached)."""
+        key = ("groups", c, size)
+        if key not in self._placements:
+            self._placements[key] = groups(self.classes[c], size)
+        return self._placements[key]
+
+    def count(self, c: int, size: int) -> int:
+        """Stages a class is cut into at this size."""
+        return len(self.groups(c, size))
 
     def bound(self, tpl: Template, mbs: int, schedule: str) -> float | None:
         """A lower bound on the template's step time, or None when it cannot hold the model.
@@ -88,35 +98,40 @@ class Planner:
         Every stage k satisfies step >= sum_{l<k} t_l + m t_k with t = F + B (the first micro-batch reaches
         stage k, which then works m micro-batches, and the last gradient leaves it), hence (i) step >= m *
         max_k t_k and (ii) a weighted mean of these inequalities with equal coefficient c on every t_l:
-        step >= c sum_l t_l, c = 1 / (1 - (1 - 1/m)^p). t_k >= layers_k * rate + transfers + extras, and
-        layers_k is bounded by memory."""
+        step >= c sum_l t_l, c = 1 / (1 - (1 - 1/m)^p). Here t_k >= layers_k * (least time per layer of any
+        layout) + first/last-stage extras, and layers_k is bounded by memory (`QuickStats`)."""
         m = self.job.train.global_batch_size // mbs
-        slots, recv = self.placement(tpl, mbs)
-        p, layers = len(slots), self.job.model.num_layers
-        parts = []
-        for k, (c, size, _) in enumerate(slots):
+        layers = self.job.model.num_layers
+        stats, counts = [], []
+        for c, size in tpl:
             st = self.stats(c, size, mbs)
             if st is None:
                 return None
-            most = st.max_layers(in_flight(schedule, p, k, m), layers - p + 1)
-            if most < 1:
-                return None
-            extra = (recv[k - 1] if k else 0.0) + (recv[k] if k < p - 1 else 0.0)
-            extra += st.first_s * (k == 0) + st.last_s * (k == p - 1)
-            parts.append((st.rate_s, extra, most))
-        rate, extra, most = (np.array(x, dtype=float) for x in zip(*parts))
-        if most.sum() < layers:
+            stats.append(st)
+            counts.append(self.count(c, size))
+        p = sum(counts)
+        rate = np.repeat([st.rate_s for st in stats], counts)
+        state = np.repeat([st.state_per_layer for st in stats], counts)
+        act = np.repeat([st.act_per_layer for st in stats], counts)
+        room = np.repeat([st.room for st in stats], counts)
+        extra = np.zeros(p)
+        extra[0] += stats[0].first_s
+        extra[-1] += stats[-1].last_s
+        flight = np.full(p, float(m)) if schedule == "gpipe" else np.minimum(p - np.arange(p), m).astype(float)
+        slope = state + flight * act
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = np.where(slope > 0, np.floor(room / np.where(slope > 0, slope, 1.0)), layers - p + 1)
+        most = np.minimum(np.where(room >= 0, most, 0), layers - p + 1).astype(int)
+        if most.min() < 1 or most.sum() < layers:
             return None
-        lo, hi = float(np.max(rate + extra)), float(np.max(rate * most + extra))
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            if np.minimum(most, np.floor((mid - extra) / rate + 1e-9)).sum() >= layers:
-                hi = mid
-            else:
-                lo = mid
+        # tau: the layers-th smallest of {extra_k + j rate_k : 1 <= j <= most_k}, and at least every first one.
+        owner = np.repeat(np.arange(p), most)
+        j = np.arange(len(owner)) - np.repeat(np.cumsum(most) - most, most) + 1
+        values = extra[owner] + j * rate[owner]
+        tau = max(float(np.max(rate + extra)), float(np.partition(values, layers - 1)[layers - 1]))
         coeff = 1.0 / (1.0 - (1.0 - 1.0 / m) ** p)
         fill = coeff * (float(np.sum(rate + extra)) + (layers - p) * float(np.min(rate)))
-        return max(m * lo * (1 - 1e-9), fill)
+        return max(m * tau, fill) * (1 - 1e-9)
 
     def table(self, c: int, size: int, mbs: int) -> LayoutTable:
         key = (c, size, mbs)
@@ -136,56 +151,59 @@ class Planner:
             out.append(self._curves[key])
         return out
 
-    def least_times(self, tpl: Template, mbs: int, schedule: str) -> tuple[list[np.ndarray], list[float]] | None:
-        """Per stage: least F + B over the layouts that fit, by layer count (transfers included); least tails."""
+    def least_times(self, tpl: Template, mbs: int, schedule: str,
+                    incumbent: float = float("inf")) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+        """Per stage, by layer count: least F + B over the layouts that fit (transfers included) and least
+        m (F + B) + tail, cut where the latter reaches `incumbent` (such stages cannot be in a better plan)."""
         slots, recv = self.placement(tpl, mbs)
         p, m, layers = len(slots), self.job.train.global_batch_size // mbs, self.job.model.num_layers
         least, tails = [], []
         for k, (c, size, _) in enumerate(slots):
-            key = (c, size, mbs, k == 0, k == p - 1, in_flight(schedule, p, k, m), layers - p + 1)
+            key = (c, size, mbs, k == 0, k == p - 1, in_flight(schedule, p, k, m))
             if key not in self._least:
                 self._least[key] = least_curve(self.table(c, size, mbs), first=key[3], last=key[4],
-                                               in_flight=key[5], max_layers=key[6])
-            curve, tail = self._least[key]
-            if not np.isfinite(curve[0]):
+                                               in_flight=key[5], max_layers=layers, micro_batches=m)
+            curve, own = self._least[key]
+            shift = (recv[k - 1] if k else 0.0) + (recv[k] if k < p - 1 else 0.0)
+            t = curve[: layers - p + 1] + shift
+            o = own[: layers - p + 1] + m * shift
+            useful = np.flatnonzero(o < incumbent)
+            if len(useful) == 0:
                 return None
-            least.append(curve + (recv[k - 1] if k else 0.0) + (recv[k] if k < p - 1 else 0.0))
-            tails.append(tail)
+            least.append(t[: useful[-1] + 1])
+            tails.append(o[: useful[-1] + 1])
         return least, tails
 
-    def refined_bound(self, tpl: Template, mbs: int, schedule: str) -> tuple[float, np.ndarray] | None:
-        """step >= G[0, L] + max tail (see dp.fill_bound), with the layouts that actually fit."""
-        got = self.least_times(tpl, mbs, schedule)
+    def refined_bound(self, tpl: Template, mbs: int, schedule: str,
+                      incumbent: float = float("inf")) -> tuple[float, np.ndarray] | None:
+        """step >= G[0, L] (see dp.fill_bound) with the layouts that actually fit, over plans that could beat
+        `incumbent` (None: none can)."""
+        got = self.least_times(tpl, mbs, schedule, incumbent)
         if got is None:
             return None
         least, tails = got
+        layers = self.job.model.num_layers
+        if sum(len(t) for t in least) < layers:
+            return None
         m = self.job.train.global_batch_size // mbs
-        G = fill_bound(least, self.job.model.num_layers, m)
-        value = G[0, self.job.model.num_layers]
+        G = fill_bound(least, layers, m, tails)
+        value = G[0, layers]
         if not np.isfinite(value):
             return None
-        return value * (1 - 1e-9) + max(tails), G
+        return value * (1 - 1e-9), G
 
     def solve(self, tpl: Template, mbs: int, schedule: str, incumbent: float) -> tuple[float, PlanSpec] | None:
         """The best plan of one template, if it beats `incumbent`."""
         slots, recv = self.placement(tpl, mbs)
         p, m, layers = len(slots), self.job.train.global_batch_size // mbs, self.job.model.num_layers
-        base = []
-        for k, ((c, size, _), curve) in enumerate(zip(slots, self.curves(slots, mbs, schedule))):
-            key = (c, size, mbs, k == 0, k == p - 1, in_flight(schedule, p, k, m), layers - p + 1)
-            if key not in self._slots:
-                self._slots[key] = slot_options(curve, recv_in=0.0, recv_out=0.0)
-            base.append(self._slots[key])
-        if any(not o for o in base):
-            return None
-        opts = shifted(base, [recv[k - 1] if k else 0.0 for k in range(p)],
-                       [recv[k] if k < p - 1 else 0.0 for k in range(p)])
-        start = greedy(opts, layers, m, schedule)
+        tables = [StageOptions(curve, recv[k - 1] if k else 0.0, recv[k] if k < p - 1 else 0.0)
+                  for k, curve in enumerate(self.curves(slots, mbs, schedule))]
+        start = greedy(tables, layers, m, schedule)
         bound = incumbent
         if start is not None and start[0] < incumbent:
             bound = start[0] * (1 + 1e-12)
-        refined = self.refined_bound(tpl, mbs, schedule)
-        found = solve(opts, layers, m, schedule, bound, refined[1] if refined else None)
+        refined = self.refined_bound(tpl, mbs, schedule, bound)
+        found = solve(tables, layers, m, schedule, bound, refined[1] if refined else None)
         if found is None and start is not None and start[0] < incumbent:
             found = start
         if found is None:
@@ -225,11 +243,11 @@ class Planner:
             single = next(iter(types)) if len(types) == 1 else None
             incumbent = self._incumbent(result, single)
             if b >= incumbent:
-                if single is None and all(t in result.per_type for t in self._types()):
-                    break  # every later template is bounded by at least b: nothing left can win
+                if self._done(result, b):
+                    break  # every later template's bound is at least b: none can improve any incumbent
                 continue
             if not refined:
-                rb = self.refined_bound(tpl, mbs, schedule)
+                rb = self.refined_bound(tpl, mbs, schedule, incumbent)
                 if rb is not None:
                     heapq.heappush(heap, (max(rb[0], b), 1, n, mbs, schedule, tpl))
                 continue
@@ -243,8 +261,12 @@ class Planner:
                 result.per_type[single] = found
         return result
 
-    def _types(self) -> set[str]:
-        return {c.device_type for c in self.classes}
+    def _done(self, result: SearchResult, bound: float) -> bool:
+        """Whether `bound` reaches every incumbent (the best plan and the best plan of each device type)."""
+        types = {c.device_type for c in self.classes}
+        if result.best is None or any(t not in result.per_type for t in types):
+            return False
+        return bound >= max(result.best[0], *(v[0] for v in result.per_type.values()))
 
     @staticmethod
     def _incumbent(result: SearchResult, single: str | None) -> float:
