@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heteroflow.config import parse_job  # noqa: E402
+from heteroflow.config.plan import OffloadSpec  # noqa: E402
 from heteroflow.stagemap import SearchOptions, search_plan  # noqa: E402
 from heteroflow.stagemap.exhaustive import Timeout, exhaustive_search  # noqa: E402
 
@@ -41,7 +42,7 @@ def cluster_job(num_devices: int, *, model: object = "llama2-70b", global_batch_
 
 
 def small_job() -> dict:
-    """Small enough for exhaustive search: 4 devices of 3 types, an 80-layer model cut to 4 layers."""
+    """Small enough for exhaustive search: 4 devices of 3 types, Llama-2-70B's shape cut to 4 layers."""
     return {
         "cluster": {"inter_node_gb_per_s": 25, "nodes": [
             {"name": "a", "device": "nvidia-a100-40g", "count": 2},
@@ -52,7 +53,9 @@ def small_job() -> dict:
     }
 
 
-SMALL_OPTIONS = SearchOptions(zero=(0, 1), recompute=("none", "full"), sp=(False,))
+SMALL_OPTIONS = SearchOptions(zero=(0, 1, 3), recompute=("none", "full"), sp=(False,),
+                              offload=(OffloadSpec(), OffloadSpec(optimizer="cpu")))
+"""The layout space on the small instance (the full one has 960 layouts per stage: too many to enumerate)."""
 
 
 def timed(fn):
