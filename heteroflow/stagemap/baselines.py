@@ -70,8 +70,7 @@ def megatron_uniform(job: JobConfig, hardware: Hardware, options: SearchOptions)
     if any(n.device not in hardware.devices for n in job.cluster.nodes):
         return f"it must use every device, and some cannot train in {job.train.precision}"
     total, layers = job.cluster.num_devices, job.model.num_layers
-    best: tuple[float, PlanSpec] | None = None
-    reason = "no uniform layout fits in memory"
+    combos = []  # (bound, p, mbs, tp, chunks, shapes, recv)
     for p in [d for d in range(1, layers + 1) if layers % d == 0 and total % d == 0]:
         chunks = _chunks(job, p)
         if chunks is None:
@@ -81,19 +80,38 @@ def megatron_uniform(job: JobConfig, hardware: Hardware, options: SearchOptions)
                                 node_count=max(job.cluster.node(n).count for n in c.nodes)) for c in chunks]
         for mbs in micro_batch_sizes(job, options):
             m = job.train.global_batch_size // mbs
-            recv = boundary_times(job, hardware, list(zip(shapes, (c.nodes for c in chunks))), mbs)
             for tp in range(1, size + 1):
-                if size % tp or (size // tp) > mbs or mbs % (size // tp) or not tp_valid(job.model, tp):
+                if size % tp or mbs % (size // tp) or not tp_valid(job.model, tp):
                     continue
                 if not all(_tp_inside_nodes(c, tp) for c in chunks):
                     continue
-                found = _best_uniform(job, hardware, shapes, chunks, recv, tp, size // tp, mbs, m, layers // p, options)
-                if found is not None and (best is None or found[0] < best[0]):
-                    best = found
-    if best is None:
-        return reason if any(_chunks(job, p) for p in range(1, layers + 1) if layers % p == 0 and total % p == 0) \
-            else "no even split of the devices into stages keeps each stage on one device type"
-    return best
+                combos.append((_uniform_bound(job, hardware, shapes, tp, size // tp, mbs, m, layers // p, options),
+                               p, mbs, tp, chunks, shapes))
+    if not combos:
+        return "no even split of the devices into stages keeps each stage on one device type"
+    best: tuple[float, PlanSpec] | None = None
+    for bound, p, mbs, tp, chunks, shapes in sorted(combos, key=lambda c: c[0]):
+        if best is not None and bound >= best[0]:
+            break
+        m = job.train.global_batch_size // mbs
+        recv = boundary_times(job, hardware, list(zip(shapes, (c.nodes for c in chunks))), mbs)
+        found = _best_uniform(job, hardware, shapes, chunks, recv, tp, (total // p) // tp, mbs, m, layers // p, options)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return best if best is not None else "no uniform layout fits in memory"
+
+
+def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardware], tp: int, dp: int, mbs: int,
+                   m: int, per_stage: int, options: SearchOptions) -> float:
+    """step >= m * (F + B) of the slowest stage, each at its fastest layout (ZeRO 0/1, no recompute or offload)."""
+    # ZeRO 0 is never slower per layer than ZeRO 1-3, so it bounds whichever stages are allowed.
+    fast = [Layout(tp=tp, dp=dp, sp=sp) for sp in (False, True) if not sp or (tp > 1 and job.model.seq_length % tp == 0)]
+    worst = 0.0
+    for shape in set(shapes):
+        rate = min(c.fwd_layer_s + c.bwd_layer_s for c in stage_costs_many(job.model, job.train.precision, shape,
+                                                                               fast, mbs, hardware))
+        worst = max(worst, rate)
+    return m * per_stage * worst
 
 
 def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware], chunks: list[_Chunk],

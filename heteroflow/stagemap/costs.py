@@ -31,7 +31,7 @@ from heteroflow.stagemap.compute import (embedding_params_per_device, embedding_
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.stagemap.layout import Layout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, memory_from_parts,
-                                        memory_parts, state_bytes_per_param)
+                                        memory_parts, memory_total_from_parts, state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
 
@@ -65,8 +65,14 @@ class StageCosts:
     tail_per_param_s: float
     params: Affine
     """Parameters per device (as an affine function; in_flight unused)."""
-    memory: MemoryModel
     memory_total: Affine
+    memory_parts: MemoryParts = field(repr=False, compare=False)
+    layout: Layout = field(repr=False, compare=False)
+
+    @property
+    def memory(self) -> MemoryModel:
+        """Memory by component (weights, gradients, optimizer, activations, transient, reserve)."""
+        return memory_from_parts(self.memory_parts, self.layout)
 
     def forward_s(self, layers: int, first: bool, last: bool) -> float:
         """Forward seconds of one micro-batch (compute and exposed collectives, no boundary transfer)."""
@@ -150,10 +156,10 @@ def costs_from_base(model: ModelSpec, precision: str, hw: StageHardware, layout:
         emb_f, emb_b, head_f, head_b = (emb_f + b.zero3_extras[0], emb_b + b.zero3_extras[1],
                                         head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
     tail_const, tail_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb, b.ob)
-    mem = memory_from_parts(b.memory, layout)
     return StageCosts(fwd_layer_s=fwd_layer, bwd_layer_s=bwd_layer, fwd_first_s=emb_f, bwd_first_s=emb_b,
                       fwd_last_s=head_f, bwd_last_s=head_b, tail_const_s=tail_const, tail_per_param_s=tail_per_param,
-                      params=b.params, memory=mem, memory_total=mem.total())
+                      params=b.params, memory_total=memory_total_from_parts(b.memory, layout),
+                      memory_parts=b.memory, layout=layout)
 
 
 @dataclass(frozen=True, slots=True)

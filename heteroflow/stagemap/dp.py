@@ -76,27 +76,48 @@ class DictTable:
         return min(opts, key=lambda o: (o.forward_s + o.backward_s, o.tail_s)) if opts else None
 
 
-def fill_bound(least: list[np.ndarray], num_layers: int, m: int, own: list[np.ndarray] | None = None) -> np.ndarray:
-    """G[k, r]: the least possible max_{k' >= k} (sum_{k <= l < k'} t_l + m t_k' + tail_k') when stages k..
-    hold r layers, with t_l >= least[l][layers - 1] (the fastest layout that fits) and m t + tail >=
-    own[l][layers - 1] (the least over the layouts that fit; m * least when not given).
-
-    Every stage k of a plan satisfies step >= sum_{l<k} t_l + m t_k + tail_k (the first micro-batch reaches
-    it, it then runs all m, the last gradient leaves it, and the step's tail waits for its own), so step >=
-    G[0, L], and a partial plan with prefix sum P of t over its first k stages needs at least
-    P + G[k, remaining layers]. Exact recursion: G[k, r] = min_l max(own_k(l), t_k(l) + G[k+1, r-l])."""
+def fill_bound(least: list[np.ndarray], num_layers: int, m: int, own: list[np.ndarray] | None = None,
+               tails: list[np.ndarray] | None = None) -> np.ndarray:
+    """G[k, r]: a lower bound on max_{k' >= k} (sum_{k <= l < k'} t_l + c_k') over plans whose stages k.. hold
+    r layers, with t_l >= least[l][layers - 1] (the fastest layout that fits there). Each stage's c_k is
+    at least
+    - own[k][layers - 1] (m * least when not given), because step >= sum_{l<k} t_l + m t_k + tail_k: the
+      first micro-batch reaches stage k, it runs all m, the last gradient leaves it, the tail waits for it;
+    - with `tails` (1F1B, when stage k has steady-state pairs, m > p - k): (m - p + k + 1) t_k + tail_k +
+      2 sum_{l>k} t_l, from the closed form's candidate k with the warm-up and drain of micro-batch 0 and
+      m - 1 through the whole pipeline; the sum over later stages is bounded by its least value.
+    So step >= G[0, L], and a partial plan with prefix sum P over its first k stages needs P + G[k, rest].
+    Recursion: G[k, r] = min_l max(c_k(l, r - l), t_k(l) + G[k+1, r-l])."""
     p = len(least)
     G = np.full((p + 1, num_layers + 1), np.inf)
     G[p, 0] = -np.inf  # no stages after the last: only its own term counts
-    r = np.arange(num_layers + 1)
+    rest_sum = np.full((p + 1, num_layers + 1), np.inf)  # least sum of t over stages k.. holding r layers
+    rest_sum[p, 0] = 0.0
     for k in range(p - 1, -1, -1):
         t = np.asarray(least[k][:num_layers], dtype=float)
         if len(t) == 0:
             continue
-        own_k = np.asarray(own[k][: len(t)], dtype=float) if own is not None else m * t
+        # Only r in [p - k, L - k] can occur: every stage holds at least one layer.
+        r = np.arange(p - k, num_layers - k + 1)
         idx = r[None, :] - np.arange(1, len(t) + 1)[:, None]  # layers left for stages after k
-        rest = np.where(idx >= 0, G[k + 1][np.maximum(idx, 0)], np.inf)
-        G[k] = np.maximum(own_k[:, None], t[:, None] + rest).min(axis=0)
+        gather = np.maximum(idx, 0)
+        ok = idx >= 0
+        rest = np.where(ok, G[k + 1][gather], np.inf)
+        own_k = np.asarray(own[k][: len(t)], dtype=float) if own is not None else m * t
+        with np.errstate(invalid="ignore"):
+            cand = np.maximum(own_k[:, None], t[:, None] + rest)
+            if tails is not None and m > p - k:
+                later = np.where(ok, rest_sum[k + 1][gather], np.inf)
+                warm = ((m - p + k + 1) * t + np.asarray(tails[k][: len(t)], dtype=float))[:, None] + 2 * later
+                np.maximum(cand, warm, out=cand)
+            if tails is not None:
+                total = t[:, None] + np.where(ok, rest_sum[k + 1][gather], np.inf)
+        bad = ~np.isfinite(t) | ~np.isfinite(own_k)  # layer counts that fit nowhere
+        cand[bad] = np.inf
+        G[k, r] = cand.min(axis=0)
+        if tails is not None:
+            total[bad] = np.inf
+            rest_sum[k, r] = total.min(axis=0)
     return G
 
 

@@ -171,6 +171,45 @@ def memory_from_parts(parts: MemoryParts, layout: Layout) -> MemoryModel:
 _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
+def memory_total_from_parts(parts: MemoryParts, layout: Layout) -> Affine:
+    """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
+    a test checks both agree)."""
+    dp, zero, off = layout.dp, layout.zero, layout.offload
+    p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
+    w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
+    const = parts.reserve
+    per_layer = first = last = both = 0.0
+    if off.params != "device":
+        const += w0 * (parts.wb + parts.gb)
+        first += w1 * (parts.wb + parts.gb)
+        last += w2 * (parts.wb + parts.gb)
+    else:
+        k = parts.wb / dp if zero >= 3 else parts.wb
+        if zero >= 3:
+            const += w0 * parts.wb
+            first += w1 * parts.wb
+            last += w2 * parts.wb
+        k += parts.gb / (dp if zero >= 2 else 1)
+        per_layer += p_layer * k
+        first += p_embed * k
+        last += p_head * k
+        both += tied * k
+    if off.optimizer == "device":
+        k = parts.ob / (dp if zero >= 1 else 1)
+        per_layer += p_layer * k
+        first += p_embed * k
+        last += p_head * k
+        both += tied * k
+    stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
+    in_flight = 0.0
+    if off.activations != "device":
+        const += 2 * stored + working
+    else:
+        const += working
+        in_flight = stored
+    return Affine(const, per_layer, in_flight, first, last + parts.logits, both)
+
+
 @lru_cache(maxsize=1024)
 def _params(model: ModelSpec, tp: int) -> tuple[float, float, float, float]:
     """(per block, first-stage extra, last-stage extra, tied-head saving when first and last) per device."""

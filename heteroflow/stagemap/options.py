@@ -119,10 +119,10 @@ def slot_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, m
 
 
 def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, max_layers: int,
-                micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
-    """By layer count, over the layouts that fit: (least F + B, least m (F + B) + tail) with m =
-    `micro_batches`, boundary transfers excluded; inf where nothing fits. What the planner's bounds need,
-    without the per-position reduction."""
+                micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """By layer count, over the layouts that fit: (least F + B, least m (F + B) + tail with m =
+    `micro_batches`, least tail), boundary transfers excluded; inf where nothing fits. What the planner's
+    bounds need, without the per-position reduction."""
     c = table.coef
     both = first and last
     f0 = c[:, _FF] * first + c[:, _FL] * last + c[:, _BF] * first + c[:, _BL] * last
@@ -131,12 +131,13 @@ def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, 
     mslope = c[:, _ML] + in_flight * c[:, _MI]
     layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
     if not len(c):
-        return np.full(max_layers, np.inf), np.full(max_layers, np.inf)
+        return np.full(max_layers, np.inf), np.full(max_layers, np.inf), np.full(max_layers, np.inf)
     fits = m0[None, :] + mslope[None, :] * layers <= table.capacity_bytes
     time = (c[:, _F] + c[:, _B])[None, :] * layers + f0[None, :]
     least = np.where(fits, time, np.inf).min(axis=1)
-    own = np.where(fits, micro_batches * time + c[:, _TL][None, :] * layers + t0[None, :], np.inf).min(axis=1)
-    return least, own
+    tail = c[:, _TL][None, :] * layers + t0[None, :]
+    own = np.where(fits, micro_batches * time + tail, np.inf).min(axis=1)
+    return least, own, np.where(fits, tail, np.inf).min(axis=1)
 
 
 class StageOptions:

@@ -52,6 +52,7 @@ class Planner:
         self._curves: dict[tuple, SlotCurve] = {}
         self._least: dict[tuple, tuple[np.ndarray, float]] = {}
         self._placements: dict[tuple, tuple] = {}
+        self.warm_bound = True
         self._layouts: dict[tuple, list] = {}
 
     def shape(self, c: int, size: int) -> StageHardware:
@@ -151,42 +152,52 @@ class Planner:
             out.append(self._curves[key])
         return out
 
-    def least_times(self, tpl: Template, mbs: int, schedule: str,
-                    incumbent: float = float("inf")) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
-        """Per stage, by layer count: least F + B over the layouts that fit (transfers included) and least
-        m (F + B) + tail, cut where the latter reaches `incumbent` (such stages cannot be in a better plan)."""
+    def least_times(self, tpl: Template, mbs: int, schedule: str, incumbent: float = float("inf")) -> tuple | None:
+        """Per stage, by layer count, over the layouts that fit: least F + B (transfers included), least
+        m (F + B) + tail and least tail, cut where the second reaches `incumbent` (such stages cannot be in a
+        better plan)."""
         slots, recv = self.placement(tpl, mbs)
         p, m, layers = len(slots), self.job.train.global_batch_size // mbs, self.job.model.num_layers
-        least, tails = [], []
+        least, owns, tails = [], [], []
         for k, (c, size, _) in enumerate(slots):
             key = (c, size, mbs, k == 0, k == p - 1, in_flight(schedule, p, k, m))
             if key not in self._least:
                 self._least[key] = least_curve(self.table(c, size, mbs), first=key[3], last=key[4],
                                                in_flight=key[5], max_layers=layers, micro_batches=m)
-            curve, own = self._least[key]
+            curve, own, tail = self._least[key]
             shift = (recv[k - 1] if k else 0.0) + (recv[k] if k < p - 1 else 0.0)
             t = curve[: layers - p + 1] + shift
             o = own[: layers - p + 1] + m * shift
-            useful = np.flatnonzero(o < incumbent)
-            if len(useful) == 0:
+            keep = int(np.searchsorted(o, incumbent))  # o is non-decreasing: fewer layouts fit more layers
+            if keep == 0:
                 return None
-            least.append(t[: useful[-1] + 1])
-            tails.append(o[: useful[-1] + 1])
-        return least, tails
+            least.append(t[:keep])
+            owns.append(o[:keep])
+            tails.append(tail[:keep])
+        return least, owns, tails
 
     def refined_bound(self, tpl: Template, mbs: int, schedule: str,
                       incumbent: float = float("inf")) -> tuple[float, np.ndarray] | None:
-        """step >= G[0, L] (see dp.fill_bound) with the layouts that actually fit, over plans that could beat
-        `incumbent` (None: none can)."""
+        """A lower bound on the template's step time with the layouts that actually fit, over plans that
+        could beat `incumbent` (None: none can), and the fill table for the dynamic program.
+
+        step = T + max_j tail_j >= G[0, L] (see dp.fill_bound)."""
         got = self.least_times(tpl, mbs, schedule, incumbent)
         if got is None:
             return None
-        least, tails = got
+        least, owns, tails = got
         layers = self.job.model.num_layers
         if sum(len(t) for t in least) < layers:
             return None
         m = self.job.train.global_batch_size // mbs
-        G = fill_bound(least, layers, m, tails)
+        # Cheap first: step >= max_k own_k(layers_k) >= the least such max over splits, which (own_k being
+        # non-decreasing) is the layers-th smallest own value, and at least every stage's own at one layer.
+        pool = np.concatenate(owns)
+        cheap = max(max(o[0] for o in owns), float(np.partition(pool, layers - 1)[layers - 1]))
+        if cheap >= incumbent:
+            return None
+        warm = tails if schedule == "1f1b" and self.warm_bound else None
+        G = fill_bound(least, layers, m, owns, warm)
         value = G[0, layers]
         if not np.isfinite(value):
             return None

@@ -126,3 +126,14 @@ def test_emulation_prices_every_rank_as_a_share_of_the_host():
     assert b.gemm_tflops(1024) == pytest.approx(a.gemm_tflops(1024) / 8)
     assert b.vendor == "ascend"  # vendor labels still choose the boundary transport in the runtime
     assert replace(b, share=1.0).gemm_tflops(1024) == pytest.approx(a.gemm_tflops(1024))
+
+
+def test_the_fast_memory_total_equals_the_sum_of_components():
+    from heteroflow.stagemap.memory import memory_from_parts, memory_parts, memory_total_from_parts
+    for name in ("llama2-7b", "qwen2.5-7b", "gpt3-175b", "tiny-llama"):
+        model = PRESETS[name]
+        for precision in ("bf16", "fp32"):
+            for lay in search_layouts(model, num_devices=8, node_count=8, micro_batch_size=8):
+                parts = memory_parts(model, tp=lay.tp, sp=lay.sp, tokens=1234.0, precision=precision, capacity_gib=64)
+                assert tuple(memory_total_from_parts(parts, lay)) == pytest.approx(
+                    tuple(memory_from_parts(parts, lay).total()))
