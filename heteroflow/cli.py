@@ -95,6 +95,20 @@ def cmd_train(args: argparse.Namespace) -> int:
               + (f"; metrics in {args.metrics}" if args.metrics else ""))
     return 0
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search the best plan for a job, or estimate a given one."""
+    from heteroflow.stagemap.commands import plan_command
+    return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
+                        evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
+                        max_micro_batch_size=args.max_micro_batch_size)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure this machine's devices, links and disk for the cost model."""
+    from heteroflow.stagemap.commands import profile_command
+    return profile_command(output=args.output, quick=args.quick, device_type=args.device_type,
+                           disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
@@ -140,6 +154,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, metavar="N",
                    help="tokenizer vocabulary size (before Megatron's padding), when it cannot be told")
     p.add_argument("--json", action="store_true", help="print one JSON document (job and report)")
+
+    p = add("plan", cmd_plan, "search the best plan for a job (or estimate one with --evaluate)")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("-o", "--output", metavar="PLAN.yaml", help="write the plan (with its predictions)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--gantt", metavar="FILE.png", help="draw the simulated schedule")
+    p.add_argument("--evaluate", metavar="PLAN.yaml", nargs="?", const="",
+                   help="estimate this plan file instead of searching (no file: the job's own plan)")
+    p.add_argument("--profile", metavar="PROFILE.yaml", help="measured figures (default: the job's cluster.profile)")
+    p.add_argument("--emulate", action="store_true",
+                   help="with --evaluate: price the run as `train --emulate` does it, every rank a local CPU process")
+    p.add_argument("--max-micro-batch-size", type=int, metavar="N", help="largest micro-batch size searched")
+
+    p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
+    p.add_argument("-o", "--output", metavar="PROFILE.yaml", help="write the profile here")
+    p.add_argument("--quick", action="store_true", help="small sizes: seconds instead of minutes")
+    p.add_argument("--device-type", metavar="NAME", help="the cluster device type these devices are")
+    p.add_argument("--disk-dir", metavar="DIR", help="directory for the disk test (default: the temp dir)")
+    p.add_argument("--no-link", action="store_true", help="skip the two-process link test")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
     return parser
 
 

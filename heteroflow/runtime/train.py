@@ -37,19 +37,19 @@ def choose_plan(job: JobConfig, plan_path: str | None) -> PlanSpec:
         return job.plan
     from heteroflow.stagemap import search_plan
     report = search_plan(job)
-    if not report.estimate.feasible:
-        raise UserError("the planner found no plan that fits this cluster:\n" + "\n".join(report.estimate.problems))
+    if not report.feasible:
+        problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
+        raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why:\n"
+                        + "\n".join(problems))
     return report.plan
 
 
 def predicted_step_time(job: JobConfig, plan: PlanSpec, *, emulate: bool) -> float | None:
-    """The cost model's step time for this plan (emulated runs priced as local CPU processes)."""
+    """The cost model's step time for this plan (emulated runs priced as local CPU processes sharing
+    this machine's cores); None when the cost model finds the plan infeasible."""
     from heteroflow.stagemap import evaluate_plan
-    try:
-        estimate = evaluate_plan(job, plan, emulate=emulate)
-    except TypeError:  # a cost model without emulation pricing: its figure would be for real devices
-        return None if emulate else evaluate_plan(job, plan).step_time_s
-    return estimate.step_time_s
+    estimate = evaluate_plan(job, plan, emulate=emulate)
+    return estimate.step_time_s if estimate.feasible else None
 
 
 def check_local_devices(job: JobConfig, plan: PlanSpec) -> None:
