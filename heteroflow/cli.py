@@ -83,7 +83,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     job = load_job(args.job)
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
-                           log_dir=args.log_dir, timeout_s=args.timeout)
+                           log_dir=args.log_dir, timeout_s=args.timeout, resume=args.resume)
     try:
         results = train_job(job, options)
     except TrainingFailed as failure:
@@ -91,7 +91,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     losses = results[0].losses
     if losses:
-        print(f"heteroflow train: done, {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        resumed = f" (resumed at step {results[0].first_step})" if results[0].first_step else ""
+        print(f"heteroflow train: done, {len(losses)} steps{resumed}, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
               + (f"; metrics in {args.metrics}" if args.metrics else ""))
     return 0
 
@@ -138,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", metavar="DIR", help="keep every rank's output here (default: a temporary dir)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="collective timeout in seconds: a stuck rank fails instead of hanging (default 600)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in train.checkpoint.dir (any plan may resume "
+                        "it; step 0 when there is none)")
 
     p = add("import-megatron", cmd_import_megatron,
             "turn a Megatron-LM launch script, --yaml-cfg file or NeMo model YAML into a job (never runs it)")

@@ -22,6 +22,8 @@ class TrainOptions:
     metrics_path: str | None = None
     log_dir: str | None = None
     timeout_s: float = 600.0
+    resume: bool = False
+    """Continue from the newest complete checkpoint in train.checkpoint.dir (step 0 when there is none)."""
 
 
 def cache_dir() -> Path:
@@ -81,6 +83,8 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     if not options.emulate:
         check_local_devices(job, plan)
     steps = options.steps if options.steps is not None else job.train.steps
+    from heteroflow.runtime.checkpoint import prepare_resume
+    resume_note = prepare_resume(job, resume=options.resume)
     data_dir = cache_dir() / "data"
     # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
     from heteroflow.data.builtin import open_train_data
@@ -88,7 +92,9 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     args = WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps, data_dir=str(data_dir),
                       metrics_path=os.path.abspath(options.metrics_path) if options.metrics_path else None,
                       predicted_step_time_s=predicted_step_time(job, plan, emulate=options.emulate),
-                      timeout_s=options.timeout_s)
+                      timeout_s=options.timeout_s, resume=options.resume)
     print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
           f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {steps} steps", flush=True)
+    if resume_note:
+        print(f"heteroflow: {resume_note}", flush=True)
     return launch(LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir), run_worker, args)

@@ -32,6 +32,8 @@ class WorkerArgs:
     return_state: bool = False
     """Return this rank's parameter shards (for equivalence tests)."""
     show_progress: bool = True
+    resume: bool = False
+    """Continue from the newest complete checkpoint in `train.checkpoint.dir` (also done after an elastic restart)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class WorkerResult:
 
     losses: tuple[float, ...]
     state: dict | None
+    first_step: int = 0
+    """The step `losses[0]` belongs to (the checkpoint's step when resumed)."""
 
 
 def run_worker(args: WorkerArgs) -> WorkerResult:
@@ -48,6 +52,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     from heteroflow.data.builtin import open_train_data
     from heteroflow.data.tokens import SampleOrder, micro_batch_indices
     from heteroflow.devices.facade import Device
+    from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
     from heteroflow.runtime.stage import build_stage_runtime
@@ -66,6 +71,8 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     groups = build_process_groups(rank_map, emulate=args.emulate, timeout_s=args.timeout_s)
     init_from = job.resolve_path(train.init_from) if train.init_from else None
     rt = build_stage_runtime(job, plan, rank_map, groups, device=device, init_from=init_from)
+    checkpoints = TrainCheckpoints(args, rt, groups)
+    first_step = checkpoints.resume()
     data = open_train_data(job, work_dir=args.data_dir)
     order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
                         shuffle=train.data.shuffle if train.data else True)
@@ -73,10 +80,10 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     global_tokens = train.global_batch_size * job.model.seq_length
     counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
     writer = MetricsWriter(args.metrics_path) if rank == 0 else None
-    progress = ProgressBar(args.steps) if rank == 0 and args.show_progress else None
+    progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
     try:
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
             started = time.perf_counter()
             indices = order.global_batch(step)
             micro_batches = []
@@ -110,6 +117,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
                     progress.update(record)
             if not math.isfinite(loss):  # every rank knows the loss: all stop together
                 raise FloatingPointError(f"loss became {loss} at step {step}; lower train.lr or check the data")
+            checkpoints.after_step(step)
     finally:
         if writer is not None:
             writer.close()
@@ -120,4 +128,4 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     dist.barrier(group=groups.world)
     if owns_world:
         dist.destroy_process_group()
-    return WorkerResult(losses=tuple(losses), state=state)
+    return WorkerResult(losses=tuple(losses), state=state, first_step=first_step)
