@@ -81,14 +81,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     from heteroflow.runtime.train import TrainOptions, train_job
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
+    if (args.node is None) != (args.rdzv is None):
+        raise UserError("a multi-node run needs both --node NAME and --rdzv HOST:PORT (on every node)")
+    if args.replan_on_failure and args.node is None:
+        raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
+    for flag, value, minimum in (("--max-restarts", args.max_restarts, 0), ("--timeout", args.timeout, 1),
+                                 ("--join-timeout", args.join_timeout, 1),
+                                 ("--rejoin-timeout", args.rejoin_timeout, 1)):
+        if value is not None and value < minimum:
+            raise UserError(f"{flag} must be at least {minimum}, got {value:g}")
     job = load_job(args.job)
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
-                           log_dir=args.log_dir, timeout_s=args.timeout, resume=args.resume)
+                           log_dir=args.log_dir, timeout_s=args.timeout, max_restarts=args.max_restarts,
+                           node=args.node, rdzv=args.rdzv, join_timeout_s=args.join_timeout,
+                           replan_on_failure=args.replan_on_failure, rejoin_timeout_s=args.rejoin_timeout,
+                           resume=args.resume)
     try:
         results = train_job(job, options)
     except TrainingFailed as failure:
         print(f"heteroflow train: training failed\n{failure}", file=sys.stderr)
         return 1
+    if 0 not in results:  # a node without rank 0: rank 0's node prints the losses
+        where = f"node {args.node} " if args.node else ""
+        print(f"heteroflow train: {where}done (ranks {', '.join(map(str, sorted(results))) or 'none'})")
+        return 0
     losses = results[0].losses
     if losses:
         resumed = f" (resumed at step {results[0].first_step})" if results[0].first_step else ""
@@ -138,7 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON record per step to this file")
     p.add_argument("--log-dir", metavar="DIR", help="keep every rank's output here (default: a temporary dir)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="collective timeout in seconds: a stuck rank fails instead of hanging (default 600)")
+                   help="step limit in seconds: a rank stuck in one step this long is reported with its stage and "
+                        "step and the run stops instead of hanging; collectives time out a little later (default 600)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart every worker up to N times after a rank fails, resuming from the newest "
+                        "checkpoint (default 0: fail at once)")
+    p.add_argument("--node", metavar="NAME", help="multi-node: the cluster node this machine is (run the same "
+                   "command with each node's name on each node)")
+    p.add_argument("--rdzv", metavar="HOST:PORT", help="multi-node: where the nodes meet; the node on HOST hosts it")
+    p.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                   help="multi-node: how long the nodes wait for each other (default 300)")
+    p.add_argument("--replan-on-failure", action="store_true",
+                   help="multi-node: when the run fails and a node does not come back, plan again on the nodes "
+                        "that remain and resume from the newest checkpoint")
+    p.add_argument("--rejoin-timeout", type=float, metavar="S",
+                   help="multi-node: how long survivors wait for the missing nodes after a failure before "
+                        "replanning (default: --timeout + --join-timeout)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in train.checkpoint.dir (any plan may resume "
                         "it; step 0 when there is none)")
