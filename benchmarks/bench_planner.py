@@ -10,6 +10,7 @@ tried with a deadline on the sizes above), and its time over the planner's is pr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from heteroflow.config import parse_job  # noqa: E402
 from heteroflow.config.plan import OffloadSpec  # noqa: E402
 from heteroflow.stagemap import SearchOptions, search_plan  # noqa: E402
-from heteroflow.stagemap.exhaustive import Timeout, exhaustive_search  # noqa: E402
+from heteroflow.stagemap.exhaustive import Timeout, exhaustive_search, space_size  # noqa: E402
 
 TYPES = ("nvidia-a100-80g", "ascend-910b2", "hygon-bw1000")
 
@@ -85,6 +86,8 @@ def main() -> int:
     parser.add_argument("--exhaustive-limit", type=float, default=600.0, help="seconds before giving up")
     args = parser.parse_args()
 
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs share this machine: "
+          "CPU seconds are the planner's own work, wall seconds include waiting for the cores)")
     job = parse_job(small_job())
     report, wall, cpu = timed(lambda: search_plan(job, options=SMALL_OPTIONS))
     print(f"small (4 devices, 3 types, 4 layers): planner {wall:.3f} s wall, {cpu:.3f} s CPU; {describe(report)}")
@@ -103,12 +106,15 @@ def main() -> int:
         stats = report.stats
         print(f"{n} devices (3 types, 80 layers, global batch 1024): planner {wall:.2f} s wall, {cpu:.2f} s CPU "
               f"({stats['templates']} templates, {stats['templates_solved']} solved); {describe(report)}")
+        size = space_size(job)
         if n <= 64:
             try:
                 (_, _, priced), ewall, _ = timed(lambda: exhaustive_search(job, deadline_s=min(args.exhaustive_limit, 60)))
                 print(f"  exhaustive: {priced} plans in {ewall:.1f} s")
             except Timeout as exc:
-                print(f"  exhaustive: did not finish ({exc})")
+                print(f"  exhaustive: did not finish ({exc}); the space holds {size:.2e} plans")
+        else:
+            print(f"  exhaustive: not attempted; the space holds {size:.2e} plans")
     return 0
 
 

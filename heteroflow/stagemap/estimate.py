@@ -199,7 +199,7 @@ def fit_hints(job: JobConfig, est: StageEstimate, hw: StageHardware, plan: PlanS
     lay = est.layout
     options = []
     if lay.dp > 1 and lay.zero < 3:
-        options.append((f"zero {3}", replace(lay, zero=3)))
+        options.append(("zero 3", replace(lay, zero=3)))
     if lay.recompute != "full":
         options.append(("recompute full", replace(lay, recompute="full")))
     if lay.tp > 1 and not lay.sp and job.model.seq_length % lay.tp == 0:

@@ -64,3 +64,25 @@ def exhaustive_search(job: JobConfig, *, profile: Profile | None = None, options
             if est.feasible and est.step_time_s < best[0]:
                 best = (est.step_time_s, uniform[1])
     return best[0], best[1], priced
+
+
+def space_size(job: JobConfig, *, options: SearchOptions | None = None) -> int:
+    """How many plans `exhaustive_search` would price (without pricing them)."""
+    import math
+    options = options or SearchOptions()
+    hardware = job_hardware(job, resolve_profile(job, None))
+    classes = device_classes(job, set(hardware.devices), options.device_types)
+    total = 0
+    for mbs in micro_batch_sizes(job, options):
+        counts = {}
+        for tpl in templates(job, classes, mbs):
+            ways, stages = len(options.schedules), 0
+            for c, size in tpl:
+                if (c, size) not in counts:
+                    counts[(c, size)] = (len(groups(classes[c], size)),
+                                         len(layouts_for(job, classes[c], size, mbs, options)))
+                q, n = counts[(c, size)]
+                ways *= n ** q
+                stages += q
+            total += ways * math.comb(job.model.num_layers - 1, stages - 1)
+    return total

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from heteroflow.config.job import JobConfig
 from heteroflow.config.plan import OffloadSpec
@@ -72,7 +71,7 @@ def _best_peaks(job: JobConfig, hardware: Hardware, hw: StageHardware, layers: i
         sp = tp > 1 and job.model.seq_length % tp == 0
         for off, slot in ((OffloadSpec(), "plain"), (OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"), "frugal")):
             lay = Layout(tp=tp, dp=dp, sp=sp, zero=3 if dp > 1 else 0, recompute="full", offload=off)
-            c = stage_costs(job.model, job.train.precision, hw, replace(lay), dp, hardware)
+            c = stage_costs(job.model, job.train.precision, hw, lay, dp, hardware)
             peak = c.memory_bytes(layers, min(stages, max(1, job.train.global_batch_size // dp)), True, False) / GIB
             if slot == "plain" and (plain is None or peak < plain[0]):
                 plain = (peak, lay)

@@ -31,7 +31,7 @@ def measure_profile(*, quick: bool = False, device_type: str | None = None, disk
     device = torch.device("cuda:0" if cuda else "cpu")
     name = torch.cuda.get_device_name(0) if cuda else _cpu_name()
     dtype_name, vendor = _device_type(device_type, name, cuda)
-    sizes = (64, 128, 256) if quick else (256, 512, 1024, 2048, 4096)
+    sizes = (64, 128, 256) if quick else (256, 512, 1024, 2048, 4096) if cuda else (128, 256, 512, 1024, 2048)
     budget = 0.02 if quick else 0.25
     gemm = {prec: tuple((n, _gemm_tflops(torch, device, n, getattr(torch, dt), budget)) for n in sizes)
             for prec, dt in _DTYPES.items()}

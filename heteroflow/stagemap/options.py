@@ -5,7 +5,6 @@ pipeline, to the (layers, layout) options not dominated in (forward, backward, t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

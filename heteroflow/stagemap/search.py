@@ -1,18 +1,20 @@
-"""`search_plan`: the planner. Branch and bound over templates (space.py) ordered by a lower bound, with
-the exact dynamic program of dp.py for each template's layer split and layouts.
+"""The planner's search: best-first branch and bound over templates (space.py), micro-batch sizes and
+schedules, with the exact dynamic program of dp.py for each template's layer split and layouts.
 
-Template lower bound: every stage k satisfies step >= m * (F_k + B_k) >= m * layers_k * r_k, where r_k is
-the least per-layer time of any layout of that stage shape; so step >= m * tau, tau the smallest bottleneck
-that lets the stages hold all layers (each at most the layers its most frugal layouts could fit). A
-template whose bound reaches the best plan found so far is skipped. The best plan on one device type is
-tracked separately (its own incumbent) because it is reported as a baseline.
+Every template first gets a quick lower bound (per-layer rates of the fastest layouts, memory bounds from
+closed formulas, see `Planner.bound`); the template with the least bound is taken next. A quick bound is
+replaced by a refined one computed from the layouts that actually fit at each position (`dp.fill_bound`:
+fill, drain, tails); a refined one leads to the dynamic program, which is seeded with a greedy plan and
+prunes with the incumbent. The search stops when the least bound left reaches every incumbent: the best
+plan, and the best plan of each device type (reported as the `best_single_type` baseline, so it keeps its
+own incumbent). GPipe is not searched when 1F1B is allowed: on the same stages its closed form is never
+smaller and it keeps more micro-batches in flight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import heapq
-from time import perf_counter
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,7 +27,7 @@ from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.options import (LayoutTable, QuickStats, SlotCurve, StageOptions, layout_table, least_curve,
                                          quick_stats, slot_curve)
 from heteroflow.stagemap.pipeline import in_flight
-from heteroflow.stagemap.space import (DeviceClass, Group, SearchOptions, device_classes, groups, layouts_for,
+from heteroflow.stagemap.space import (Group, SearchOptions, device_classes, groups, layouts_for,
                                        micro_batch_sizes, templates)
 
 Template = tuple[tuple[int, int], ...]
@@ -52,6 +54,7 @@ class Planner:
         self._curves: dict[tuple, SlotCurve] = {}
         self._least: dict[tuple, tuple[np.ndarray, float]] = {}
         self._placements: dict[tuple, tuple] = {}
+        self._fill: dict[tuple, np.ndarray] = {}
         self.warm_bound = True
         self._layouts: dict[tuple, list] = {}
 
@@ -213,8 +216,11 @@ class Planner:
         bound = incumbent
         if start is not None and start[0] < incumbent:
             bound = start[0] * (1 + 1e-12)
-        refined = self.refined_bound(tpl, mbs, schedule, bound)
-        found = solve(tables, layers, m, schedule, bound, refined[1] if refined else None)
+        fill = self._fill.get((tpl, mbs, schedule))
+        if fill is None:
+            refined = self.refined_bound(tpl, mbs, schedule, bound)
+            fill = refined[1] if refined else None
+        found = solve(tables, layers, m, schedule, bound, fill)
         if found is None and start is not None and start[0] < incumbent:
             found = start
         if found is None:
@@ -260,6 +266,7 @@ class Planner:
             if not refined:
                 rb = self.refined_bound(tpl, mbs, schedule, incumbent)
                 if rb is not None:
+                    self._fill[(tpl, mbs, schedule)] = rb[1]  # valid for any smaller incumbent too
                     heapq.heappush(heap, (max(rb[0], b), 1, n, mbs, schedule, tpl))
                 continue
             found = self.solve(tpl, mbs, schedule, incumbent)

@@ -10,7 +10,7 @@ from heteroflow.config import PRESETS
 from heteroflow.config.plan import OffloadSpec
 from heteroflow.devices.catalog import CATALOG
 from heteroflow.stagemap.comm import all_gather_s, all_reduce_s
-from heteroflow.stagemap.compute import layer_forward, layer_params_per_device, model_flops_per_sample
+from heteroflow.stagemap.compute import layer_forward, model_flops_per_sample
 from heteroflow.stagemap.costs import StageHardware, stage_costs, stage_costs_many
 from heteroflow.stagemap.hardware import Hardware, build_hardware, device_model
 from heteroflow.stagemap.layout import Layout, search_layouts

@@ -111,3 +111,26 @@ def test_an_explicit_plan_that_does_not_fit_reports_the_stage_and_its_numbers():
     assert "needs" in line and "GiB per device but has 64.0 GiB" in line and "short by" in line
     assert "recompute full" in line  # what would make it fit
     assert estimate.to_json()["problems"] == list(estimate.problems)
+
+
+def test_branch_and_bound_keeps_the_best_template_and_the_best_of_each_type():
+    from heteroflow.stagemap.estimate import job_hardware
+    from heteroflow.stagemap.search import Planner
+    from heteroflow.stagemap.space import micro_batch_sizes, templates
+    job = load_job(REPO / "configs" / "jobs" / "emulated-three-vendor.yaml")
+    hardware = job_hardware(job, None)
+    result = Planner(job, hardware, SearchOptions()).run()
+    every = Planner(job, hardware, SearchOptions())  # no bounds: each template's exact optimum
+    best, per_type = float("inf"), {}
+    for mbs in micro_batch_sizes(job, SearchOptions()):
+        for tpl in templates(job, every.classes, mbs):
+            found = every.solve(tpl, mbs, "1f1b", float("inf"))
+            if found:
+                best = min(best, found[0])
+                types = {every.classes[c].device_type for c, _ in tpl}
+                if len(types) == 1:
+                    kind = types.pop()
+                    per_type[kind] = min(per_type.get(kind, float("inf")), found[0])
+    assert result.best[0] == pytest.approx(best, rel=1e-12)
+    assert {k: v[0] for k, v in result.per_type.items()} == pytest.approx(per_type, rel=1e-12)
+    assert result.solved < result.templates / 10  # the bounds prune most templates
