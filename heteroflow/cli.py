@@ -70,8 +70,17 @@ def run_import_megatron(args: argparse.Namespace):
 def cmd_import_megatron(args: argparse.Namespace) -> int:
     """Import a Megatron-LM launch script / YAML as a job (see `heteroflow.megatron.output` for the streams)."""
     from heteroflow.megatron.output import emit
+    if args.compare and args.json:
+        raise UserError("--compare prints a table; drop --json (or run `heteroflow plan JOB --json` and "
+                        "`heteroflow plan JOB --evaluate --json` on the imported job)")
     result = run_import_megatron(args)
-    return emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
+    status = emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
+    if args.compare:
+        if result.job is None:
+            raise UserError("--compare needs the cluster's device type: pass --device-type NAME or --cluster FILE")
+        from heteroflow.megatron.compare import compare_with_planner
+        print(compare_with_planner(result.job), file=sys.stdout if args.output else sys.stderr)
+    return status
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -180,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script_args", nargs="*", metavar="ARG", help="positional parameters $1 $2 ... of the script")
     p.add_argument("-o", "--output", metavar="JOB.yaml", help="write the job here (default: stdout)")
     p.add_argument("--plan-out", metavar="PLAN.yaml", help="also write the Megatron layout as a plan file")
+    p.add_argument("--compare", action="store_true",
+                   help="also price the Megatron layout and heteroflow's best plan on the job's cluster, side by side")
     p.add_argument("--cluster", metavar="CLUSTER.yaml", help="place the layout on this cluster (top-level cluster:)")
     p.add_argument("--device-type", metavar="NAME", help="device type of the nodes the launcher describes")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
