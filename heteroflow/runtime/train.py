@@ -58,13 +58,11 @@ def choose_plan(job: JobConfig, plan_path: str | None) -> PlanSpec:
 
 
 def search_plan_or_fail(job: JobConfig) -> PlanSpec:
-    """The planner's best plan for `job`, or a `UserError` when it finds none that fits."""
-    try:
-        from heteroflow.stagemap import search_plan
-    except ImportError:
-        raise UserError("this build has no planner (heteroflow.stagemap): give the job an explicit `plan:` "
-                        "or use --plan PLAN.yaml") from None
-    report = search_plan(job)
+    """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`: ZeRO 0-2,
+    no offload tiers yet), or a `UserError` when none fits."""
+    from heteroflow.config import OffloadSpec
+    from heteroflow.stagemap import SearchOptions, search_plan
+    report = search_plan(job, options=SearchOptions(zero=(0, 1, 2), offload=(OffloadSpec(),)))
     if not report.feasible:
         problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
         raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why:\n"

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from conftest import REPO
+
 from heteroflow.config import parse_job
 from heteroflow.runtime.launch import free_port
 from heteroflow.runtime.worker import WorkerArgs, run_worker
@@ -109,10 +111,12 @@ def test_stuck_rank_is_reported_with_stage_and_step(tmp_path, job):
     assert "computing or stuck at heteroflow/runtime/watchdog.py" in text
 
 
-# A stand-in planner for the replan test, loaded into every process through sitecustomize: one stage per
-# node, layers split evenly (the real `heteroflow.stagemap.search_plan` is merged separately).
+# A deterministic stand-in for the planner's search in the replan test, loaded into every process through
+# sitecustomize: one stage per node, layers split evenly. The rest of `heteroflow.stagemap` (the cost
+# model that prices the plan) stays real.
 STUB_PLANNER = '''
 import sys, types
+sys.path.insert(0, REPO)  # sitecustomize runs before `python -m` puts the working directory on the path
 
 def search_plan(job, **kwargs):
     from types import SimpleNamespace
@@ -125,11 +129,10 @@ def search_plan(job, **kwargs):
     problems = Problems()
     plan = parse_plan(raw, problems, cluster=job.cluster, model=job.model, train=job.train)
     problems.raise_if_any()
-    return SimpleNamespace(plan=plan, estimate=SimpleNamespace(feasible=True, problems=[]))
+    return SimpleNamespace(plan=plan, feasible=True, estimate=SimpleNamespace(feasible=True, problems=[]))
 
-stub = types.ModuleType("heteroflow.stagemap")
-stub.search_plan = search_plan
-sys.modules["heteroflow.stagemap"] = stub
+import heteroflow.stagemap
+heteroflow.stagemap.search_plan = search_plan
 '''
 
 
@@ -139,7 +142,7 @@ def test_lost_node_is_replanned_away_and_the_run_resumes(tmp_path):
     from multinode_helpers import CLUSTER
     stub_dir = tmp_path / "stub"
     stub_dir.mkdir()
-    (stub_dir / "sitecustomize.py").write_text(STUB_PLANNER)
+    (stub_dir / "sitecustomize.py").write_text(STUB_PLANNER.replace("REPO", repr(str(REPO))))
     cluster = {"nodes": [{"name": n, "device": "cpu", "count": 1, "host": "127.0.0.1"} for n in ("a", "b", "c")]}
     assert cluster != CLUSTER
     plan = {"micro_batch_size": 2, "stages": [{"devices": ["a"], "layers": 1}, {"devices": ["b"], "layers": 2},
