@@ -61,7 +61,11 @@ def search_plan_or_fail(job: JobConfig) -> PlanSpec:
     """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`: ZeRO 0-2,
     no offload tiers yet), or a `UserError` when none fits."""
     from heteroflow.config import OffloadSpec
-    from heteroflow.stagemap import SearchOptions, search_plan
+    try:
+        from heteroflow.stagemap import SearchOptions, search_plan
+    except ImportError:
+        raise UserError("`plan: auto` needs the planner, but this build has no planner (heteroflow.stagemap); "
+                        "write the plan in the job's `plan:` or pass --plan PLAN.yaml") from None
     report = search_plan(job, options=SearchOptions(zero=(0, 1, 2), offload=(OffloadSpec(),)))
     if not report.feasible:
         problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
