@@ -23,7 +23,8 @@ def report(rank: int, world_size: int, base: int, *, scale: int) -> dict:
 def fail_on_one(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
-    print(f"rank {rank} starting")
+    print(f"rank {rank} starting", flush=True)
+    dist.barrier()  # both have printed before anyone fails, however loaded the machine is
     if rank == 1:
         raise ValueError("boom at rank 1")
     dist.barrier()  # would wait forever for rank 1: the harness must stop it

@@ -1,0 +1,180 @@
+"""Issue benchmark 1: the largest block stack trainable under a device budget B, with the SSD tier vs without.
+
+"Device" is emulated in CPU memory; its residency is the offload bookkeeping (`DeviceBudget`), which
+charges every parameter, gradient and optimizer byte before it exists and raises past B. Each size
+really trains `--steps` AdamW steps (forward, backward, clipping, step); a size that raises is over B.
+
+- without offload: parameters, gradients and AdamW moments on the device (torch.optim.AdamW), all
+  charged; blocks are added until the budget raises;
+- SSD tier: parameters and fp32 master + moments on SSD, checkpointed activations on the CPU, only the
+  blocks in use on the device; depth never hits B, so it grows to `--target` x B, and a width probe
+  shows where B does bind (two blocks' parameters + one block's gradients).
+
+Training state = parameters + gradients + fp32 master weights + Adam moments of the model, counted as
+fp32 AdamW training needs it without offload (16 bytes per parameter: the master is the parameter).
+The SSD run actually holds 20 bytes per parameter across tiers (a separate fp32 master on SSD, fp32
+gradients in CPU memory); both are printed. Activations are outside the bookkeeping in both runs.
+
+    python benchmarks/bench_offload_capacity.py [--budget-mib 256] [--hidden 512] [--target 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+from heteroflow.devices import Device  # noqa: E402
+from heteroflow.offload import DeviceBudget, DeviceBudgetExceeded, OffloadPolicy, StageOffload  # noqa: E402
+
+MIB = 2**20
+LR = 1e-4  # small enough that a 72-block residual stack's loss falls step by step
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP block (8h^2 + 7h parameters), the FLOP- and byte-heavy half of a Transformer layer."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _blocks(num: int, hidden: int) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(Block(hidden) for _ in range(num))
+
+
+def _params(blocks: nn.Module) -> int:
+    return sum(p.numel() for p in blocks.parameters())
+
+
+def _batch(step: int, hidden: int, tokens: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(1, tokens, hidden, generator=g).requires_grad_()
+
+
+def train_on_device(num: int, hidden: int, tokens: int, steps: int, budget: DeviceBudget) -> list[float]:
+    """No offload: everything charged to the device budget; returns the losses (raises past B)."""
+    blocks = _blocks(num, hidden)
+    param_bytes = 4 * _params(blocks)
+    budget.charge(param_bytes, "params")
+    budget.charge(param_bytes, "grads")
+    budget.charge(2 * param_bytes, "optimizer")  # exp_avg, exp_avg_sq
+    opt = torch.optim.AdamW(blocks.parameters(), lr=LR, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        h = _batch(0, hidden, tokens)  # one batch: the loss must fall step by step
+        for block in blocks:
+            h = block(h)
+        loss = (h ** 2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(blocks.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def train_on_ssd(num: int, hidden: int, tokens: int, steps: int, budget: DeviceBudget,
+                 swap_root: str) -> tuple[list[float], float, dict]:
+    """Params and optimizer on SSD; returns (losses, seconds per step, which paths ran)."""
+    blocks = _blocks(num, hidden)
+    policy = OffloadPolicy(optimizer="ssd", params="ssd", activations="cpu", swap_root=swap_root,
+                           device_budget_bytes=budget.limit_bytes, max_in_flight=3)
+    with StageOffload(policy, device=Device.cpu(), blocks=blocks, weight_decay=0.1, budget=budget) as offload:
+        losses = []
+        start = time.perf_counter()
+        for step in range(steps):
+            with offload.activation_context():
+                h = _batch(0, hidden, tokens)  # one batch: the loss must fall step by step
+                for block in blocks:
+                    h = checkpoint(block, h, use_reentrant=True)
+                loss = (h ** 2).mean()
+            loss.backward()
+            offload.collect_grads()
+            offload.clip_grad_norm_(1.0)
+            offload.step(LR)
+            losses.append(loss.item())
+        seconds = (time.perf_counter() - start) / steps
+        return losses, seconds, offload.which
+
+
+def _fmt(losses: list[float]) -> str:
+    return " -> ".join(f"{x:.4f}" for x in losses)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-mib", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--target", type=float, default=9.0, help="grow the SSD run to this x B")
+    parser.add_argument("--dir", default=os.environ.get("HETEROFLOW_SWAP_DIR", tempfile.gettempdir()))
+    args = parser.parse_args()
+    limit = args.budget_mib * MIB
+    per_block = 8 * args.hidden**2 + 7 * args.hidden
+    state = lambda n: 16 * n * per_block  # noqa: E731  (bytes of fp32 AdamW training state)
+    print(f"device budget B = {args.budget_mib} MiB; block = {per_block / 1e6:.2f} M params "
+          f"(hidden {args.hidden}), {args.tokens} tokens per step, {args.steps} steps per size")
+
+    best_device = 0
+    for num in range(1, 1000):
+        budget = DeviceBudget(limit)
+        try:
+            losses = train_on_device(num, args.hidden, args.tokens, args.steps, budget)
+        except DeviceBudgetExceeded:
+            print(f"  no offload, {num:3d} blocks: over budget ({state(num) / MIB:.0f} MiB of state > B)")
+            break
+        best_device = num
+        if num in (1, 2) or num % 2 == 0:
+            print(f"  no offload, {num:3d} blocks: ok, losses {_fmt(losses)}, peak {budget.peak_bytes / MIB:.0f} MiB")
+
+    best_ssd = 0
+    sizes = sorted({max(1, int(math.ceil(args.target * limit / state(1)) * f)) for f in (0.25, 0.5, 1.0)})
+    for num in sizes:
+        budget = DeviceBudget(limit)
+        losses, seconds, which = train_on_ssd(num, args.hidden, args.tokens, args.steps, budget, args.dir)
+        best_ssd = num
+        print(f"  SSD tier,   {num:3d} blocks: ok, losses {_fmt(losses)}, peak {budget.peak_bytes / MIB:.1f} MiB "
+              f"(B {args.budget_mib}), {seconds:.1f} s/step, {state(num) / limit:.2f}x B  [{which}]")
+        if num == sizes[0]:  # the same model without offload and without a budget: same losses?
+            want = train_on_device(num, args.hidden, args.tokens, args.steps, DeviceBudget(None))
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
+            print(f"    same {num} blocks without offload (no budget): losses {_fmt(want)}; max relative "
+                  f"difference {rel:.1e}")
+
+    # Width probe: with the SSD tier B binds on one block's size, not on depth.
+    for hidden in (3 * args.hidden, 4 * args.hidden):
+        budget = DeviceBudget(limit)
+        try:
+            train_on_ssd(2, hidden, 16, 1, budget, args.dir)
+            print(f"  SSD tier, hidden {hidden}: ok (peak {budget.peak_bytes / MIB:.0f} MiB)")
+        except DeviceBudgetExceeded as exc:
+            print(f"  SSD tier, hidden {hidden}: over budget ({str(exc)[:90]}...)")
+
+    print(f"largest without offload: {best_device} blocks = {state(best_device) / MIB:.0f} MiB training state "
+          f"= {state(best_device) / limit:.2f}x B")
+    print(f"largest with the SSD tier (tried): {best_ssd} blocks = {state(best_ssd) / MIB:.0f} MiB training state "
+          f"= {state(best_ssd) / limit:.2f}x B (held across tiers: {20 * best_ssd * per_block / MIB:.0f} MiB)")
+    print(f"ratio SSD / no offload: {best_ssd / max(best_device, 1):.1f}x; goal >= 8x B: "
+          f"{'met' if state(best_ssd) >= 8 * limit else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

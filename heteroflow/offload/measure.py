@@ -1,0 +1,84 @@
+"""Measured bandwidths the planner needs to price offload; `heteroflow profile` calls `measure_offload`.
+
+Disk figures come from the same engine and access pattern the SSD tier uses (aligned chunks,
+`max_in_flight` requests outstanding, direct I/O), so the planner prices what training will see.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from heteroflow.offload.aio import open_engine
+from heteroflow.offload.optimizer import StreamedAdamW
+from heteroflow.offload.store import TieredStore
+from heteroflow.offload.swap import SwapDir
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadBandwidths:
+    """What one host measured for the offload tiers (feed `OffloadTraffic.seconds`)."""
+
+    disk_write_gb_per_s: float
+    disk_read_gb_per_s: float
+    host_copy_gb_per_s: float
+    """CPU memory copy bandwidth (staging copies, emulated devices)."""
+    cpu_adam_params_per_s: float
+    """Parameters per second the CPU AdamW step updates (state already in memory)."""
+    io_path: str
+    adam_path: str
+
+    def to_dict(self) -> dict:
+        """Plain data for the profile file."""
+        return asdict(self)
+
+
+def measure_offload(directory: str, *, nbytes: int = 512 << 20, chunk_bytes: int = 64 << 20,
+                    max_in_flight: int = 3, adam_params: int = 1 << 24) -> OffloadBandwidths:
+    """Measure disk write/read (in a scratch directory under `directory`), host copies and CPU Adam."""
+    from heteroflow.devices import Device
+
+    nbytes = max(chunk_bytes, nbytes // chunk_bytes * chunk_bytes)
+    with SwapDir(directory) as swap:
+        swap.check_free(nbytes)
+        engine = open_engine(str(swap.path), max_in_flight=max_in_flight)
+        try:
+            path = str(swap.path / "measure.swp")
+            buffers = [engine.alloc(chunk_bytes) for _ in range(max_in_flight)]
+            rates = []
+            for submit in (engine.write, engine.read):
+                pending: list = []
+                start = time.perf_counter()
+                for k, offset in enumerate(range(0, nbytes, chunk_bytes)):
+                    if len(pending) == max_in_flight:
+                        pending.pop(0).wait()
+                    pending.append(submit(buffers[k % max_in_flight], path, offset))
+                for request in pending:
+                    request.wait()
+                rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+            os.unlink(path)
+            io_path = engine.which
+        finally:
+            engine.close()
+    src, dst = torch.empty(chunk_bytes, dtype=torch.uint8), torch.empty(chunk_bytes, dtype=torch.uint8)
+    dst.copy_(src)  # first touch
+    start = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    copy_gb_per_s = 4 * chunk_bytes / (time.perf_counter() - start) / 1e9
+    params = {"p": [torch.zeros(adam_params)]}
+    with TieredStore(device=Device.cpu()) as store:
+        opt = StreamedAdamW(params, store=store, tier="cpu", chunk_numel=1 << 22)
+        opt.add_grads("p", [torch.ones(adam_params)])
+        opt.step(1e-3)  # warm-up (first-touch of the state)
+        start = time.perf_counter()
+        opt.step(1e-3)
+        adam_rate = adam_params / (time.perf_counter() - start)
+        adam_path = opt.which
+        opt.close()
+    return OffloadBandwidths(disk_write_gb_per_s=rates[0], disk_read_gb_per_s=rates[1],
+                             host_copy_gb_per_s=copy_gb_per_s, cpu_adam_params_per_s=adam_rate,
+                             io_path=io_path, adam_path=adam_path)

@@ -1,0 +1,188 @@
+"""`SwapDir`: the scratch directory that holds one process's SSD-tier files.
+
+Swap files are scratch, never checkpoints, and the code keeps the two apart:
+
+- each process gets its own directory `<swap_root>/heteroflow-swap-<pid>-<uuid>/` with a marker file
+  saying it is scratch; only a directory carrying that marker is ever deleted;
+- a swap root inside a checkpoint directory, or inside a directory marked as a checkpoint
+  (heteroflow's, Megatron's or DeepSpeed's marker files), is refused;
+- free disk space is checked before anything is written, with an error naming the path and numbers;
+- the directory is removed on normal exit, on an exception (context manager), at interpreter exit
+  (atexit) and on SIGTERM; directories left by killed processes (SIGKILL) are swept on the next start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import threading
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+from heteroflow.errors import UserError
+
+SCRATCH_MARKER = "HETEROFLOW-SWAP-SCRATCH"
+"""File inside every swap directory; its presence is what allows deleting the directory."""
+SWAP_PREFIX = "heteroflow-swap-"
+CHECKPOINT_MARKERS = ("heteroflow-checkpoint.json", "latest_checkpointed_iteration.txt", "zero_to_fp32.py")
+"""Files that mark a checkpoint directory: heteroflow's (the runtime writes it), Megatron's, DeepSpeed's."""
+DEFAULT_HEADROOM_BYTES = 1 << 30
+"""Free space left over after the swap files, so the disk never fills up to the last byte."""
+
+_live: dict[str, SwapDir] = {}  # process-wide, for the atexit and SIGTERM handlers
+_live_lock = threading.Lock()
+_handlers_installed = False
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+class SwapDir:
+    """One process's scratch directory under `swap_root`; use as a context manager or call `remove()`."""
+
+    def __init__(self, swap_root: str | os.PathLike, *, checkpoint_dirs: Iterable[str | os.PathLike] = (),
+                 headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> None:
+        root = Path(swap_root).expanduser().resolve()
+        check_not_checkpoint(root, checkpoint_dirs)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create the offload swap root {root}: {exc}; pick a writable directory") from exc
+        sweep_stale(root)
+        self.root = root
+        self.path = root / f"{SWAP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path.mkdir(mode=0o700)
+        (self.path / SCRATCH_MARKER).write_text(
+            "Scratch swap files of a heteroflow training process (offloaded parameters and optimizer state).\n"
+            "NOT a checkpoint: deleted when the process exits; safe to delete when that process is gone.\n"
+            f"pid={os.getpid()}\n")
+        self.headroom_bytes = headroom_bytes
+        self.reserved_bytes = 0
+        _register(self)
+
+    def file(self, name: str) -> str:
+        """Path of the swap file for chunk `name` (any string; made safe for a file name)."""
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+        return str(self.path / f"{safe}-{uuid.uuid5(uuid.NAMESPACE_OID, name).hex[:8]}.swp")
+
+    def check_free(self, nbytes: int) -> None:
+        """Raise a UserError unless `nbytes` more (plus the headroom) fit on the disk."""
+        free = shutil.disk_usage(self.path).free
+        if nbytes + self.headroom_bytes > free:
+            raise UserError(
+                f"not enough free disk space for offload swap files in {self.root}: they need {_gib(nbytes)} "
+                f"({nbytes} bytes) plus {_gib(self.headroom_bytes)} headroom, but only {_gib(free)} ({free} bytes) "
+                "is available; free space there, point the swap directory to a larger disk, or keep this "
+                "stage's state on cpu")
+
+    def reserve(self, nbytes: int) -> None:
+        """Account `nbytes` of new swap files, checking that they fit first."""
+        self.check_free(nbytes)
+        self.reserved_bytes += nbytes
+
+    def remove(self) -> None:
+        """Delete the directory and its files (idempotent); only ever a directory with our marker."""
+        with _live_lock:
+            _live.pop(str(self.path), None)
+        _remove_scratch(self.path)
+
+    def __enter__(self) -> SwapDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"SwapDir({self.path})"
+
+
+def check_not_checkpoint(root: Path, checkpoint_dirs: Iterable[str | os.PathLike]) -> None:
+    """Refuse a swap root inside a checkpoint directory, or inside one carrying a checkpoint marker."""
+    for ckpt in checkpoint_dirs:
+        ckpt_path = Path(ckpt).expanduser().resolve()
+        if root == ckpt_path or ckpt_path in root.parents:
+            raise UserError(f"offload swap directory {root} is inside the checkpoint directory {ckpt_path}; swap "
+                            "files are scratch and must never mix with checkpoints: choose a swap directory "
+                            "outside it")
+    for directory in (root, *root.parents):
+        for marker in CHECKPOINT_MARKERS:
+            if (directory / marker).is_file():
+                raise UserError(f"offload swap directory {root} is inside {directory}, which holds {marker} and so "
+                                "is a checkpoint; choose a swap directory outside any checkpoint")
+
+
+def sweep_stale(root: Path) -> list[Path]:
+    """Remove swap directories under `root` left by processes of this host that no longer exist."""
+    removed = []
+    for entry in root.glob(f"{SWAP_PREFIX}*"):
+        pid_text = entry.name[len(SWAP_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _pid_alive(int(pid_text)):
+            continue
+        if _remove_scratch(entry):
+            removed.append(entry)
+    return removed
+
+
+def live_swap_dirs() -> list[Path]:
+    """Swap directories this process has open (for tests and diagnostics)."""
+    with _live_lock:
+        return [d.path for d in _live.values()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _remove_scratch(path: Path) -> bool:
+    """rmtree `path` only if it is a directory carrying our scratch marker."""
+    if not (path / SCRATCH_MARKER).is_file():
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _remove_all() -> None:
+    with _live_lock:
+        dirs = list(_live.values())
+    for d in dirs:
+        d.remove()
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _remove_all()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    # Default action: die by SIGTERM as if we had never caught it (the parent sees the same status).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+_previous_sigterm: object = signal.SIG_DFL
+
+
+def _register(swap: SwapDir) -> None:
+    global _handlers_installed, _previous_sigterm
+    with _live_lock:
+        _live[str(swap.path)] = swap
+        if _handlers_installed:
+            return
+        _handlers_installed = True
+    atexit.register(_remove_all)
+    # Signal handlers can only be set from the main thread; elsewhere atexit and `with` still clean up.
+    if threading.current_thread() is threading.main_thread():
+        _previous_sigterm = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)

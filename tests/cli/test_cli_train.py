@@ -1,0 +1,51 @@
+"""End-to-end: `heteroflow train --emulate` as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+def heteroflow(*args: str, env_cache) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=env_cache)
+
+
+@pytest.fixture
+def env_cache(tmp_path, monkeypatch):
+    import os
+    return {**os.environ, "HETEROFLOW_CACHE": str(tmp_path / "cache")}
+
+
+@pytest.mark.slow
+def test_train_emulated_three_vendor_job_writes_metrics(tmp_path, env_cache):
+    metrics = tmp_path / "metrics.jsonl"
+    result = heteroflow("train", "configs/jobs/emulated-three-vendor.yaml", "--emulate", "--steps", "4",
+                        "--metrics", str(metrics), "--log-dir", str(tmp_path / "logs"), env_cache=env_cache)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for record in records:
+        assert {"step", "loss", "tokens_per_s", "step_time_s", "predicted_step_time_s"} <= record.keys()
+        assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert "step 4/4" in result.stdout and "done, 4 steps" in result.stdout
+
+
+def test_train_bad_input_exits_2_without_traceback(tmp_path, env_cache, write_yaml):
+    job = write_yaml("""
+        cluster: {nodes: [{name: a, device: cpu, count: 2}]}
+        model: {preset: micro-llama}
+        train: {global_batch_size: 4, data: {path: missing.bin}}
+        plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, tp: 1, dp: 2}]}
+        """)
+    result = heteroflow("train", str(job), "--emulate", "--steps", "1", env_cache=env_cache)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "train.data.path" in result.stderr and "missing.bin" in result.stderr
+    result = heteroflow("train", str(job), "--emulate", "--steps", "0", env_cache=env_cache)
+    assert result.returncode == 2 and "--steps must be at least 1" in result.stderr
