@@ -75,20 +75,26 @@ class StageSpec:
 
     def to_dict(self) -> dict:
         """Plain data in the plan YAML schema (defaults left out)."""
-        out: dict = {"devices": list(self.devices), "device_type": self.device_type, "layers": self.layers,
-                     "tp": self.tp, "dp": self.dp}
-        if self.cp != 1:
-            out["cp"] = self.cp
-        if self.sp:
-            out["sp"] = True
-        if self.zero:
-            out["zero"] = self.zero
-        if self.recompute != "none":
-            out["recompute"] = self.recompute
-        if self.offload.any:
-            out["offload"] = self.offload.to_dict()
-        return out
+        return {"devices": list(self.devices), "device_type": self.device_type, "layers": self.layers,
+                **layout_dict(tp=self.tp, dp=self.dp, cp=self.cp, sp=self.sp, zero=self.zero,
+                              recompute=self.recompute, offload=self.offload.to_dict() if self.offload.any else {})}
 
+
+def layout_dict(*, tp: int, dp: int, cp: int = 1, sp: bool = False, zero: int = 0, recompute: str = "none",
+                offload: dict | None = None) -> dict:
+    """A stage's layout keys in the plan YAML schema, defaults left out (tp and dp always written)."""
+    out: dict = {"tp": tp, "dp": dp}
+    if cp != 1:
+        out["cp"] = cp
+    if sp:
+        out["sp"] = True
+    if zero:
+        out["zero"] = zero
+    if recompute != "none":
+        out["recompute"] = recompute
+    if offload:
+        out["offload"] = dict(offload)
+    return out
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanSpec:

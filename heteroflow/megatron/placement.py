@@ -10,6 +10,7 @@ then cp, then dp, so listing a stage's ranks in that order gives the same tp gro
 from __future__ import annotations
 
 from heteroflow.config import ClusterSpec, DeviceRef
+from heteroflow.config.plan import layout_dict
 from heteroflow.errors import UserError
 from heteroflow.megatron.layout import MegatronLayout
 
@@ -72,19 +73,9 @@ def place(layout: MegatronLayout, cluster: ClusterSpec) -> list[dict]:
                             "nodes so that each group of "
                             f"{layout.tp * layout.cp * layout.dp} consecutive devices shares a type, or plan it with "
                             "`heteroflow plan` instead")
-        stage: dict = {"devices": _compress(refs, cluster), "layers": layout.stage_layers[k], "tp": layout.tp,
-                       "dp": layout.dp}
-        if layout.cp != 1:
-            stage["cp"] = layout.cp
-        if layout.sp:
-            stage["sp"] = True
-        if layout.zero:
-            stage["zero"] = layout.zero
-        if layout.recompute != "none":
-            stage["recompute"] = layout.recompute
-        if layout.offload:
-            stage["offload"] = dict(layout.offload)
-        stages.append(stage)
+        stages.append({"devices": _compress(refs, cluster), "layers": layout.stage_layers[k],
+                       **layout_dict(tp=layout.tp, dp=layout.dp, cp=layout.cp, sp=layout.sp, zero=layout.zero,
+                                     recompute=layout.recompute, offload=layout.offload)})
     return stages
 
 
