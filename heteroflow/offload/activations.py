@@ -66,6 +66,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                 return saved.tensor.to(saved.device, non_blocking=pin)
             return saved  # type: ignore[return-value]
 
+        pack.chains_param_views = True  # OffloadedParams may put its parameter-view hook on top of this one
+
         super().__init__(pack, unpack)
 
     def __enter__(self) -> ActivationOffload:

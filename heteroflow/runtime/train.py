@@ -9,6 +9,7 @@ from pathlib import Path
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
 from heteroflow.runtime.launch import LaunchSpec, launch
+from heteroflow.runtime.offload_step import check_offload_plan, check_swap_space, sweep_swap
 from heteroflow.runtime.worker import WorkerArgs, WorkerResult, run_worker
 
 
@@ -74,8 +75,7 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     if any(stage.cp != 1 for stage in plan.stages):
         raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
                         "use cp: 1")
-    if any(stage.offload.any for stage in plan.stages):
-        raise UserError("offload tiers are not run by the runtime yet; remove the stages' offload settings")
+    check_offload_plan(plan)
     if any(stage.zero == 3 for stage in plan.stages):
         raise UserError("ZeRO-3 is not run by the runtime yet; use zero: 0, 1 or 2")
     if not options.emulate:
@@ -85,10 +85,14 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
     from heteroflow.data.builtin import open_train_data
     open_train_data(job, work_dir=data_dir)
+    swap_root = check_swap_space(job, plan)  # every rank runs on this machine (one node, or --emulate)
     args = WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps, data_dir=str(data_dir),
                       metrics_path=os.path.abspath(options.metrics_path) if options.metrics_path else None,
                       predicted_step_time_s=predicted_step_time(job, plan, emulate=options.emulate),
                       timeout_s=options.timeout_s)
     print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
           f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {steps} steps", flush=True)
-    return launch(LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir), run_worker, args)
+    try:
+        return launch(LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir), run_worker, args)
+    finally:
+        sweep_swap(swap_root)  # swap directories of ranks killed before they could remove their own

@@ -40,6 +40,8 @@ class WorkerResult:
 
     losses: tuple[float, ...]
     state: dict | None
+    offload: dict | None = None
+    """This rank's offload report (device budget limit and peak, swap directory), if its stage offloads."""
 
 
 def run_worker(args: WorkerArgs) -> WorkerResult:
@@ -49,6 +51,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     from heteroflow.data.tokens import SampleOrder, micro_batch_indices
     from heteroflow.devices.facade import Device
     from heteroflow.runtime.lr import learning_rate
+    from heteroflow.runtime.offload_step import close_offload, named_weights, offload_report
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
     from heteroflow.runtime.stage import build_stage_runtime
 
@@ -110,14 +113,19 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
                     progress.update(record)
             if not math.isfinite(loss):  # every rank knows the loss: all stop together
                 raise FloatingPointError(f"loss became {loss} at step {step}; lower train.lr or check the data")
+    except BaseException:
+        close_offload(rt)  # swap files go now, also when this rank fails
+        raise
     finally:
         if writer is not None:
             writer.close()
     state = None
     if args.return_state:
         from heteroflow.models.shard import shard_of
-        state = {name: (p.detach().cpu().clone(), shard_of(p)) for name, p in rt.model.named_parameters()}
+        state = {name: (p.detach().cpu().clone(), shard_of(p)) for name, p in named_weights(rt)}
+    offload = offload_report(rt)
+    close_offload(rt)
     dist.barrier(group=groups.world)
     if owns_world:
         dist.destroy_process_group()
-    return WorkerResult(losses=tuple(losses), state=state)
+    return WorkerResult(losses=tuple(losses), state=state, offload=offload)
