@@ -70,8 +70,17 @@ def run_import_megatron(args: argparse.Namespace):
 def cmd_import_megatron(args: argparse.Namespace) -> int:
     """Import a Megatron-LM launch script / YAML as a job (see `heteroflow.megatron.output` for the streams)."""
     from heteroflow.megatron.output import emit
+    if args.compare and args.json:
+        raise UserError("--compare prints a table; drop --json (or run `heteroflow plan JOB --json` and "
+                        "`heteroflow plan JOB --evaluate --json` on the imported job)")
     result = run_import_megatron(args)
-    return emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
+    status = emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
+    if args.compare:
+        if result.job is None:
+            raise UserError("--compare needs the cluster's device type: pass --device-type NAME or --cluster FILE")
+        from heteroflow.megatron.compare import compare_with_planner
+        print(compare_with_planner(result.job), file=sys.stdout if args.output else sys.stderr)
+    return status
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -81,19 +90,50 @@ def cmd_train(args: argparse.Namespace) -> int:
     from heteroflow.runtime.train import TrainOptions, train_job
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
+    if (args.node is None) != (args.rdzv is None):
+        raise UserError("a multi-node run needs both --node NAME and --rdzv HOST:PORT (on every node)")
+    if args.replan_on_failure and args.node is None:
+        raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
+    for flag, value, minimum in (("--max-restarts", args.max_restarts, 0), ("--timeout", args.timeout, 1),
+                                 ("--join-timeout", args.join_timeout, 1),
+                                 ("--rejoin-timeout", args.rejoin_timeout, 1)):
+        if value is not None and value < minimum:
+            raise UserError(f"{flag} must be at least {minimum}, got {value:g}")
     job = load_job(args.job)
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
-                           log_dir=args.log_dir, timeout_s=args.timeout)
+                           log_dir=args.log_dir, timeout_s=args.timeout, max_restarts=args.max_restarts,
+                           node=args.node, rdzv=args.rdzv, join_timeout_s=args.join_timeout,
+                           replan_on_failure=args.replan_on_failure, rejoin_timeout_s=args.rejoin_timeout,
+                           resume=args.resume)
     try:
         results = train_job(job, options)
     except TrainingFailed as failure:
         print(f"heteroflow train: training failed\n{failure}", file=sys.stderr)
         return 1
+    if 0 not in results:  # a node without rank 0: rank 0's node prints the losses
+        where = f"node {args.node} " if args.node else ""
+        print(f"heteroflow train: {where}done (ranks {', '.join(map(str, sorted(results))) or 'none'})")
+        return 0
     losses = results[0].losses
     if losses:
-        print(f"heteroflow train: done, {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        resumed = f" (resumed at step {results[0].first_step})" if results[0].first_step else ""
+        print(f"heteroflow train: done, {len(losses)} steps{resumed}, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
               + (f"; metrics in {args.metrics}" if args.metrics else ""))
     return 0
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search the best plan for a job, or estimate a given one."""
+    from heteroflow.stagemap.commands import plan_command
+    return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
+                        evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
+                        max_micro_batch_size=args.max_micro_batch_size)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure this machine's devices, links and disk for the cost model."""
+    from heteroflow.stagemap.commands import profile_command
+    return profile_command(output=args.output, quick=args.quick, device_type=args.device_type,
+                           disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +163,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON record per step to this file")
     p.add_argument("--log-dir", metavar="DIR", help="keep every rank's output here (default: a temporary dir)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="collective timeout in seconds: a stuck rank fails instead of hanging (default 600)")
+                   help="step limit in seconds: a rank stuck in one step this long is reported with its stage and "
+                        "step and the run stops instead of hanging; collectives time out a little later (default 600)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart every worker up to N times after a rank fails, resuming from the newest "
+                        "checkpoint (default 0: fail at once)")
+    p.add_argument("--node", metavar="NAME", help="multi-node: the cluster node this machine is (run the same "
+                   "command with each node's name on each node)")
+    p.add_argument("--rdzv", metavar="HOST:PORT", help="multi-node: where the nodes meet; the node on HOST hosts it")
+    p.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                   help="multi-node: how long the nodes wait for each other (default 300)")
+    p.add_argument("--replan-on-failure", action="store_true",
+                   help="multi-node: when the run fails and a node does not come back, plan again on the nodes "
+                        "that remain and resume from the newest checkpoint")
+    p.add_argument("--rejoin-timeout", type=float, metavar="S",
+                   help="multi-node: how long survivors wait for the missing nodes after a failure before "
+                        "replanning (default: --timeout + --join-timeout)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in train.checkpoint.dir (any plan may resume "
+                        "it; step 0 when there is none)")
 
     p = add("import-megatron", cmd_import_megatron,
             "turn a Megatron-LM launch script, --yaml-cfg file or NeMo model YAML into a job (never runs it)")
@@ -131,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script_args", nargs="*", metavar="ARG", help="positional parameters $1 $2 ... of the script")
     p.add_argument("-o", "--output", metavar="JOB.yaml", help="write the job here (default: stdout)")
     p.add_argument("--plan-out", metavar="PLAN.yaml", help="also write the Megatron layout as a plan file")
+    p.add_argument("--compare", action="store_true",
+                   help="also price the Megatron layout and heteroflow's best plan on the job's cluster, side by side")
     p.add_argument("--cluster", metavar="CLUSTER.yaml", help="place the layout on this cluster (top-level cluster:)")
     p.add_argument("--device-type", metavar="NAME", help="device type of the nodes the launcher describes")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -140,6 +200,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, metavar="N",
                    help="tokenizer vocabulary size (before Megatron's padding), when it cannot be told")
     p.add_argument("--json", action="store_true", help="print one JSON document (job and report)")
+
+    p = add("plan", cmd_plan, "search the best plan for a job (or estimate one with --evaluate)")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("-o", "--output", metavar="PLAN.yaml", help="write the plan (with its predictions)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--gantt", metavar="FILE.png", help="draw the simulated schedule")
+    p.add_argument("--evaluate", metavar="PLAN.yaml", nargs="?", const="",
+                   help="estimate this plan file instead of searching (no file: the job's own plan)")
+    p.add_argument("--profile", metavar="PROFILE.yaml", help="measured figures (default: the job's cluster.profile)")
+    p.add_argument("--emulate", action="store_true",
+                   help="with --evaluate: price the run as `train --emulate` does it, every rank a local CPU process")
+    p.add_argument("--max-micro-batch-size", type=int, metavar="N", help="largest micro-batch size searched")
+
+    p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
+    p.add_argument("-o", "--output", metavar="PROFILE.yaml", help="write the profile here")
+    p.add_argument("--quick", action="store_true", help="small sizes: seconds instead of minutes")
+    p.add_argument("--device-type", metavar="NAME", help="the cluster device type these devices are")
+    p.add_argument("--disk-dir", metavar="DIR", help="directory for the disk test (default: the temp dir)")
+    p.add_argument("--no-link", action="store_true", help="skip the two-process link test")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
     return parser
 
 

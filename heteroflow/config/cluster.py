@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 from heteroflow.config.device import VENDORS, DeviceSpec
-from heteroflow.config.reader import REQUIRED, Problems, Section
+from heteroflow.config.reader import REQUIRED, Problems, Section, type_name
 from heteroflow.errors import did_you_mean
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HETEROFLOW_NODE",
+                "HETEROFLOW_NODE_RANKS", "HETEROFLOW_VISIBLE_DEVICES")
+"""Set by the launcher for each worker; a job may not set them."""
+RESERVED_ENV_PREFIXES = ("TORCHELASTIC_",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,6 +30,8 @@ class NodeSpec:
     """Devices on this node."""
     host: str | None = None
     """Address of the node, for multi-node launch."""
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Environment variables for this node's worker processes (overrides cluster and device type `env`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +57,15 @@ class ClusterSpec:
     """Per-node network bandwidth between nodes, GB/s."""
     profile: str | None = None
     """Path of a `heteroflow profile` file whose measurements replace catalog figures."""
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Environment variables for every worker process of the cluster (`cluster.env`)."""
+    device_type_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
+    """Per device type variables (`cluster.device_types.NAME.env`), over `env`."""
+
+    def node_env(self, name: str) -> dict[str, str]:
+        """The variables for node `name`'s workers: cluster, then device type, then node (most specific wins)."""
+        node = self.node(name)
+        return {**self.env, **self.device_type_env.get(node.device, {}), **node.env}
 
     def node(self, name: str) -> NodeSpec:
         """The node called `name` (which must exist)."""
@@ -81,13 +101,19 @@ class ClusterSpec:
         from heteroflow.devices.catalog import CATALOG
         custom = {k: {f: v for f, v in d.to_dict().items() if f != "name"}
                   for k, d in self.device_types.items() if CATALOG.get(k) != d}
+        for k, env in self.device_type_env.items():
+            if env:
+                custom.setdefault(k, {})["env"] = dict(env)
         out: dict = {"inter_node_gb_per_s": self.inter_node_gb_per_s}
+        if self.env:
+            out["env"] = dict(self.env)
         if custom:
             out["device_types"] = custom
         if self.profile:
             out["profile"] = self.profile
         out["nodes"] = [{k: v for k, v in (("name", n.name), ("device", n.device), ("count", n.count),
-                                           ("host", n.host)) if v is not None} for n in self.nodes]
+                                           ("host", n.host), ("env", dict(n.env) or None)) if v is not None}
+                        for n in self.nodes]
         return out
 
 
@@ -117,6 +143,32 @@ def _parse_device_type(name: str, sec: Section, base: DeviceSpec | None) -> Devi
     return DeviceSpec(name=name, vendor=vendor, source=source, **values)
 
 
+def parse_env(sec: Section, key: str = "env") -> dict[str, str] | None:
+    """An `env:` mapping of variable names to values (strings or numbers, written as strings); None when
+    absent or wrong (each problem recorded with its path)."""
+    raw = sec.raw(key, None)
+    if raw is None:
+        return None
+    path = sec.at(key)
+    if not isinstance(raw, dict):
+        sec.problems.add(path, f"expected a mapping of variable names to values, got {type_name(raw)}")
+        return None
+    env: dict[str, str] = {}
+    for name, value in raw.items():
+        where = f"{path}.{name}"
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            sec.problems.add(where, f"{name!r} is not an environment variable name (letters, digits, _; "
+                             "not starting with a digit)")
+        elif name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES):
+            sec.problems.add(where, f"{name} is set by the launcher for each worker; remove it")
+        elif isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            hint = "; quote it ('true', '1')" if isinstance(value, bool) else ""
+            sec.problems.add(where, f"expected a string or a number, got {type_name(value)} {value!r}{hint}")
+        else:
+            env[name] = str(value)
+    return env
+
+
 def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> ClusterSpec | None:
     """Build a `ClusterSpec` from the job's `cluster:` section, resolving device types."""
     from heteroflow.devices.catalog import ALIASES, CATALOG
@@ -124,15 +176,31 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
     sec = Section(data, path, problems)
     inter = sec.number("inter_node_gb_per_s", 25.0, positive=True)
     profile = sec.string("profile", None)
+    cluster_env = parse_env(sec) or {}
     types: dict[str, DeviceSpec] = {}
+    type_env: dict[str, dict[str, str]] = {}
     custom = sec.mapping("device_types", None)
     if custom is not None:
         for name in list(custom.data):
             entry = custom.mapping(str(name))
-            if entry is not None:
-                spec = _parse_device_type(str(name), entry, CATALOG.get(str(name)))
-                if spec is not None:
-                    types[str(name)] = spec
+            if entry is None:
+                continue
+            env = parse_env(entry)
+            base = CATALOG.get(str(name))
+            if set(entry.data) <= {"env"}:  # only variables: the catalog entry itself, unchanged
+                canonical = str(name) if base else ALIASES.get(str(name).lower(), str(name).lower())
+                if canonical not in CATALOG:
+                    problems.add(entry.path, f"unknown device type {str(name)!r}: an entry with only `env` must "
+                                 "name a catalog device type" + did_you_mean(str(name), [*CATALOG, *ALIASES]))
+                else:
+                    types[canonical] = CATALOG[canonical]
+                    type_env[canonical] = env or {}
+                continue
+            if env:
+                type_env[str(name)] = env
+            spec = _parse_device_type(str(name), entry, base)
+            if spec is not None:
+                types[str(name)] = spec
         custom.finish()
     known = {**CATALOG, **types}
     nodes: list[NodeSpec] = []
@@ -144,6 +212,7 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
         device = node_sec.string("device")
         count = node_sec.integer("count")
         host = node_sec.string("host", None)
+        node_env = parse_env(node_sec) or {}
         node_sec.finish()
         if name is not None:
             if name in seen_names:
@@ -164,11 +233,12 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
                          + "; declare it under cluster.device_types or run `heteroflow devices --catalog`")
             device = None
         if None not in (name, device, count):
-            nodes.append(NodeSpec(name=name, device=device, count=count, host=host))
+            nodes.append(NodeSpec(name=name, device=device, count=count, host=host, env=node_env))
             types.setdefault(device, known[device])
     if raw_nodes is not None and not raw_nodes:
         problems.add(sec.at("nodes"), "a cluster needs at least one node")
     sec.finish()
     if not sec.valid or inter is None or not nodes:
         return None
-    return ClusterSpec(nodes=tuple(nodes), device_types=types, inter_node_gb_per_s=inter, profile=profile)
+    return ClusterSpec(nodes=tuple(nodes), device_types=types, inter_node_gb_per_s=inter, profile=profile,
+                       env=cluster_env, device_type_env=type_env)

@@ -31,6 +31,16 @@ def collective_backend(vendor: str) -> str:
     return _BACKENDS[vendor]
 
 
+_VISIBLE_DEVICES = {"nvidia": "CUDA_VISIBLE_DEVICES", "amd": "HIP_VISIBLE_DEVICES", "hygon": "HIP_VISIBLE_DEVICES",
+                    "ascend": "ASCEND_RT_VISIBLE_DEVICES", "cpu": None}
+
+
+def visible_devices_variable(vendor: str) -> str | None:
+    """The environment variable that limits which of a vendor's devices a process sees (None for cpu)."""
+    _check_vendor(vendor)
+    return _VISIBLE_DEVICES[vendor]
+
+
 def emulated(vendor: str, index: int = 0) -> Device:
     """A CPU device labelled `vendor`, for running a mixed cluster as local CPU processes."""
     return Device.for_vendor(vendor, index, emulate=True)

@@ -187,6 +187,18 @@ class DataParallelAdamW:
         for s in self.segments:
             s.param.grad = None
 
+    def state_views(self):
+        """For checkpoints: per parameter, the part of its fp32 state this rank keeps, as
+        `(param, start, stop, {"master": t, "exp_avg": t, "exp_avg_sq": t})`; `[start, stop)` indexes the
+        flattened local parameter and each `t` is a writable 1-D view of that range of the state."""
+        for s in self.segments:
+            part = self._owned(s)
+            if part is not None:
+                a, b = part
+                start = a + self.lo - s.offset
+                yield s.param, start, start + b - a, {"master": self.master[a:b], "exp_avg": self.exp_avg[a:b],
+                                                      "exp_avg_sq": self.exp_avg_sq[a:b]}
+
     @torch.no_grad()
     def reload_from_model(self) -> None:
         """Take the masters from the model's current weights again (after loading a checkpoint)."""

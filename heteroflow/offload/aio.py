@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from heteroflow.errors import UserError
+from heteroflow.offload.ops import load_deepspeed_op
 
 log = logging.getLogger("heteroflow.offload")
 
@@ -259,16 +260,7 @@ def deepspeed_aio_module() -> tuple[Any, str]:
     """DeepSpeed's async_io op loaded (JIT-built the first time), or None and why it is unavailable."""
     global _ds_status
     if _ds_status is None:
-        try:
-            from deepspeed.ops.op_builder import AsyncIOBuilder
-
-            builder = AsyncIOBuilder()
-            if not builder.is_compatible(verbose=False):
-                _ds_status = (None, "DeepSpeed async_io is not compatible here (libaio-dev missing?)")
-            else:
-                _ds_status = (builder.load(verbose=False), "")
-        except Exception as exc:  # any build or import failure means: use the fallback
-            _ds_status = (None, f"DeepSpeed async_io failed to build or load: {type(exc).__name__}: {exc}"[:300])
+        _ds_status = load_deepspeed_op("AsyncIOBuilder", missing_hint=" (install libaio-dev)")
     return _ds_status
 
 

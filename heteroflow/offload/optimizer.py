@@ -29,6 +29,7 @@ from torch.optim.adamw import adamw as torch_adamw
 
 from heteroflow.errors import UserError
 from heteroflow.offload.aio import log_once
+from heteroflow.offload.ops import load_deepspeed_op
 from heteroflow.offload.store import TieredStore
 
 ADAM_ENV = "HETEROFLOW_CPU_ADAM"
@@ -59,16 +60,7 @@ def deepspeed_cpu_adam_module() -> tuple[Any, str]:
     """DeepSpeed's cpu_adam op loaded (JIT-built the first time), or None and why it is unavailable."""
     global _ds_adam
     if _ds_adam is None:
-        try:
-            from deepspeed.ops.op_builder import CPUAdamBuilder
-
-            builder = CPUAdamBuilder()
-            if not builder.is_compatible(verbose=False):
-                _ds_adam = (None, "DeepSpeed cpu_adam is not compatible with this machine")
-            else:
-                _ds_adam = (builder.load(verbose=False), "")
-        except Exception as exc:  # any build or import failure means: use torch's AdamW
-            _ds_adam = (None, f"DeepSpeed cpu_adam failed to build or load: {type(exc).__name__}: {exc}"[:300])
+        _ds_adam = load_deepspeed_op("CPUAdamBuilder")
     return _ds_adam
 
 

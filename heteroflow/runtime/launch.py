@@ -1,25 +1,36 @@
 """Launch one worker process per device through torch.distributed.elastic (torchrun's engine).
 
-The agent starts the workers, watches them, and stops every rank when one fails; we then show the
-failing rank's log. Rank 0's output is shown live (the progress bar); every rank's output is kept in
-the run's log directory.
+The agent starts the workers, watches them, and stops every rank when one fails (restarting them up to
+`max_restarts` times); we then show the failing ranks' logs. Rank 0's output is shown live (the
+progress bar); every rank's output is kept in the run's log directory.
+
+One node or several: with `num_nodes > 1` every node runs `launch` with its own `num_processes` (torch
+elastic allows a different count per node) and the same `run_id` and `rdzv_endpoint`. Elastic numbers
+workers by node rank (the order nodes joined) then local rank, which need not be the plan's order, so
+`rank_order` names the plan rank of each local rank; the workers read it from the environment
+(`heteroflow.runtime.nodes`) and results and failures are reported by plan rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 from heteroflow.errors import UserError
 
 
 class TrainingFailed(Exception):
     """A worker failed; the message holds the failing ranks' logs."""
+
+
+class RendezvousFailed(TrainingFailed):
+    """The nodes did not (re)join the elastic rendezvous in time, or its store went away."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,6 +47,20 @@ class LaunchSpec:
     """HOST:PORT of the rendezvous; a free local port when None (single node)."""
     threads_per_process: int | None = None
     """torch threads per worker; None splits this machine's cores between the workers."""
+    num_nodes: int = 1
+    """Nodes in the run (min = max: a fixed set); every node launches its own workers."""
+    run_id: str | None = None
+    """Shared by every node of one run; a fresh one when None (single node)."""
+    join_timeout_s: float = 600.0
+    """How long the agents wait for every node at the elastic rendezvous (first and after a restart)."""
+    local_addr: str | None = None
+    """This node's address for the agent's store and the workers (the cluster YAML's `host`)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Variables set for the workers (the agent's environment is restored afterwards)."""
+    rank_order: tuple[int, ...] | None = None
+    """Plan rank of each local rank; None when elastic's numbering is the plan's (one node)."""
+    tee_local_rank: int | None = 0
+    """The local rank whose output is also shown live; None shows none."""
 
 
 def free_port() -> int:
@@ -46,9 +71,11 @@ def free_port() -> int:
 
 
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict[int, Any]:
-    """Run `entrypoint(*args)` on every rank; return each rank's return value, or raise `TrainingFailed`."""
+    """Run `entrypoint(*args)` on every local rank; return each rank's return value by plan rank, or raise
+    `TrainingFailed` (`RendezvousFailed` when the nodes could not meet)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if spec.num_processes < 1:
@@ -56,41 +83,87 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="heteroflow-logs-")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     threads = spec.threads_per_process or max(1, (os.cpu_count() or 1) // spec.num_processes)
-    # Workers inherit the environment: keep many CPU ranks from oversubscribing the cores.
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    tee = {} if spec.tee_local_rank is None else {spec.tee_local_rank: Std.ALL}
+    timeout = max(1, int(spec.join_timeout_s))
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=spec.num_processes, run_id=f"heteroflow-{uuid.uuid4().hex[:8]}",
+        min_nodes=spec.num_nodes, max_nodes=spec.num_nodes, nproc_per_node=spec.num_processes,
+        run_id=spec.run_id or f"heteroflow-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=spec.rdzv_endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"join_timeout": timeout, "read_timeout": timeout, "close_timeout": min(timeout, 30)},
+        rdzv_timeout=timeout, local_addr=spec.local_addr,
         max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn", role="heteroflow",
-        log_line_prefix_template="[rank ${rank}] ",
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee={0: Std.ALL}),
+        log_line_prefix_template="[rank ${rank}] " if spec.rank_order is None else "[local rank ${local_rank}] ",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee),
     )
+    order = spec.rank_order
+    # Workers inherit the environment: keep many CPU ranks from oversubscribing the cores. Elastic's shared
+    # agent store keeps the keys of a failed attempt, which the restarted workers then read
+    # (pytorch/pytorch#135712): use a fresh store per rendezvous round, hosted by worker 0.
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **spec.env}
+    with worker_environment(env):
+        try:
+            results = elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as error:
+            raise TrainingFailed(describe_failure(error, log_dir, rank_order=order)) from None
+        except RendezvousError as error:
+            raise RendezvousFailed(f"the nodes did not meet at {config.rdzv_endpoint} within {timeout} s "
+                                   f"({type(error).__name__}: {error}); all rank logs: {log_dir}") from None
+    if order is None:
+        return results
+    # elastic's global ranks of this node are consecutive, in local rank order
+    return {order[i]: value for i, (_, value) in enumerate(sorted(results.items()))}
+
+
+@contextlib.contextmanager
+def worker_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Set `env` in this process (the workers inherit it) and restore the previous values afterwards."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
-        return elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as error:
-        raise TrainingFailed(describe_failure(error, log_dir)) from None
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
-def describe_failure(error: Any, log_dir: str) -> str:
-    """The first failing rank's error and the tail of its log, plus where every log is."""
+def describe_failure(error: Any, log_dir: str, *, rank_order: tuple[int, ...] | None = None) -> str:
+    """Each failing rank's error line, the first one's error and log tail, and where every log is.
+
+    `rank_order` translates local ranks to plan ranks (multi-node); elastic's own numbering otherwise.
+    """
+    def plan_rank(rank: int, failure: Any) -> int:
+        return rank if rank_order is None else rank_order[failure.local_rank]
+
+    failures = sorted((plan_rank(rank, f), f) for rank, f in error.failures.items())
     lines = []
-    first_rank = min(error.failures)
-    for rank, failure in sorted(error.failures.items()):
-        lines.append(f"rank {rank} failed (exit code {failure.exitcode})")
-    failure = error.failures[first_rank]
-    message = failure.message
-    if isinstance(message, dict):  # the error file's payload
-        message = message.get("message", message)
-        if isinstance(message, dict):
-            message = message.get("message", "") + "\n" + message.get("extraInfo", {}).get("py_callstack", "")
+    for rank, failure in failures:
+        first_line = _message(failure).strip().splitlines()[:1]
+        suffix = f": {first_line[0]}" if first_line else ""
+        lines.append(f"rank {rank} failed (exit code {failure.exitcode}){suffix}")
+    first_rank, failure = failures[0]
+    message = _message(failure)
     if message:
-        lines.append(f"--- rank {first_rank} error ---\n{str(message).strip()}")
+        lines.append(f"--- rank {first_rank} error ---\n{message.strip()}")
     for stream in ("stderr", "stdout"):
         tail = _log_tail(log_dir, failure.local_rank, stream)
         if tail:
             lines.append(f"--- rank {first_rank} {stream} (last lines) ---\n{tail}")
     lines.append(f"all rank logs: {log_dir}")
     return "\n".join(lines)
+
+
+def _message(failure: Any) -> str:
+    """A failure's error text: the error file's message (and Python stack), or ''."""
+    message = failure.message
+    if isinstance(message, dict):  # the error file's payload
+        message = message.get("message", message)
+        if isinstance(message, dict):
+            message = message.get("message", "") + "\n" + message.get("extraInfo", {}).get("py_callstack", "")
+    return str(message or "")
 
 
 def _log_tail(log_dir: str, local_rank: int, stream: str, num_lines: int = 30) -> str:

@@ -1,4 +1,8 @@
-"""`heteroflow train`: choose the plan, prepare the data, launch one worker per device, collect results."""
+"""`heteroflow train`: choose the plan, prepare the data, launch one worker per device, collect results.
+
+One machine runs every rank of the plan (or, with `node`/`rdzv`, the ranks of one node of a multi-node
+run: `heteroflow.runtime.multinode`).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,21 @@ class TrainOptions:
     metrics_path: str | None = None
     log_dir: str | None = None
     timeout_s: float = 600.0
+    """Step limit: the watchdog reports a rank stuck in one step this long; collectives time out a little later."""
+    max_restarts: int = 0
+    """Times the elastic agents restart every worker after a failure (from the newest checkpoint)."""
+    node: str | None = None
+    """Multi-node: the node this machine is (`--node`); None runs every rank here."""
+    rdzv: str | None = None
+    """Multi-node: HOST:PORT where the node agents meet (`--rdzv`)."""
+    join_timeout_s: float = 300.0
+    """Multi-node: how long nodes wait for each other, at the start and after a restart."""
+    replan_on_failure: bool = False
+    """Multi-node: when the run fails and nodes are gone for good, plan again on the others and resume."""
+    rejoin_timeout_s: float | None = None
+    """Multi-node: how long survivors wait for each other after a failure; None: timeout_s + join_timeout_s."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in train.checkpoint.dir (step 0 when there is none)."""
 
 
 def cache_dir() -> Path:
@@ -36,63 +55,100 @@ def choose_plan(job: JobConfig, plan_path: str | None) -> PlanSpec:
         return load_plan_file(plan_path, job)
     if job.plan is not None:
         return job.plan
-    from heteroflow.stagemap import search_plan
-    report = search_plan(job)
-    if not report.estimate.feasible:
-        raise UserError("the planner found no plan that fits this cluster:\n" + "\n".join(report.estimate.problems))
+    return search_plan_or_fail(job)
+
+
+def search_plan_or_fail(job: JobConfig) -> PlanSpec:
+    """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`: ZeRO 0-2,
+    no offload tiers yet), or a `UserError` when none fits."""
+    from heteroflow.config import OffloadSpec
+    try:
+        from heteroflow.stagemap import SearchOptions, search_plan
+    except ImportError:
+        raise UserError("`plan: auto` needs the planner, but this build has no planner (heteroflow.stagemap); "
+                        "write the plan in the job's `plan:` or pass --plan PLAN.yaml") from None
+    report = search_plan(job, options=SearchOptions(zero=(0, 1, 2), offload=(OffloadSpec(),)))
+    if not report.feasible:
+        problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
+        raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why:\n"
+                        + "\n".join(problems))
     return report.plan
 
 
 def predicted_step_time(job: JobConfig, plan: PlanSpec, *, emulate: bool) -> float | None:
-    """The cost model's step time for this plan (emulated runs priced as local CPU processes)."""
+    """The cost model's step time for this plan (emulated runs priced as local CPU processes sharing
+    this machine's cores); None when the cost model finds the plan infeasible."""
     from heteroflow.stagemap import evaluate_plan
-    try:
-        estimate = evaluate_plan(job, plan, emulate=emulate)
-    except TypeError:  # a cost model without emulation pricing: its figure would be for real devices
-        return None if emulate else evaluate_plan(job, plan).step_time_s
-    return estimate.step_time_s
+    estimate = evaluate_plan(job, plan, emulate=emulate)
+    return estimate.step_time_s if estimate.feasible else None
 
 
-def check_local_devices(job: JobConfig, plan: PlanSpec) -> None:
-    """Without --emulate, this machine must hold the plan's devices (one node, its vendor, enough of them)."""
+def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = None) -> None:
+    """Without --emulate, this machine must hold the plan's devices of one node (`node_name`, or the plan's
+    only node): its vendor, enough of them."""
     from heteroflow.devices.probe import probe_local_devices
     nodes = sorted({ref.node for stage in plan.stages for ref in stage.device_refs})
-    if len(nodes) > 1:
-        raise UserError(f"the plan spans {len(nodes)} nodes ({', '.join(nodes)}); this command runs the ranks of one "
-                        "machine: use --emulate to run every rank here as a CPU process")
-    node = job.cluster.node(nodes[0])
+    if node_name is None and len(nodes) > 1:
+        raise UserError(f"the plan spans {len(nodes)} nodes ({', '.join(nodes)}); run `heteroflow train JOB --node "
+                        "NAME --rdzv HOST:PORT` on each of them, or use --emulate to run every rank here as a CPU "
+                        "process")
+    node = job.cluster.node(node_name or nodes[0])
     vendor = job.cluster.device_types[node.device].vendor
     found = [d for d in probe_local_devices() if d.vendor == vendor]
-    needed = max(ref.index for stage in plan.stages for ref in stage.device_refs) + 1
+    needed = max(ref.index for stage in plan.stages for ref in stage.device_refs if ref.node == node.name) + 1
     if vendor != "cpu" and len(found) < needed:
         raise UserError(f"the plan needs {needed} {vendor} devices on node {node.name!r} but this machine has "
                         f"{len(found)}; run with --emulate to emulate them as CPU processes")
 
 
-def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
-    """Run the training job; returns each rank's `WorkerResult`."""
-    plan = choose_plan(job, options.plan_path)
+def check_runnable(plan: PlanSpec) -> None:
+    """Refuse what the planner prices but the runtime does not run yet."""
     if any(stage.cp != 1 for stage in plan.stages):
         raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
                         "use cp: 1")
     check_offload_plan(plan)
     if any(stage.zero == 3 for stage in plan.stages):
         raise UserError("ZeRO-3 is not run by the runtime yet; use zero: 0, 1 or 2")
-    if not options.emulate:
-        check_local_devices(job, plan)
-    steps = options.steps if options.steps is not None else job.train.steps
-    data_dir = cache_dir() / "data"
-    # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
-    from heteroflow.data.builtin import open_train_data
-    open_train_data(job, work_dir=data_dir)
-    swap_root = check_swap_space(job, plan)  # every rank runs on this machine (one node, or --emulate)
-    args = WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps, data_dir=str(data_dir),
+
+
+def worker_args(job: JobConfig, plan: PlanSpec, options: TrainOptions, *, resume: bool = False) -> WorkerArgs:
+    """What every worker of `plan` gets."""
+    return WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps_of(job, options),
+                      data_dir=str(cache_dir() / "data"),
                       metrics_path=os.path.abspath(options.metrics_path) if options.metrics_path else None,
                       predicted_step_time_s=predicted_step_time(job, plan, emulate=options.emulate),
-                      timeout_s=options.timeout_s)
-    print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
-          f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {steps} steps", flush=True)
+                      timeout_s=options.timeout_s, resume=resume or options.resume)
+
+
+def steps_of(job: JobConfig, options: TrainOptions) -> int:
+    """`--steps`, else train.steps."""
+    return options.steps if options.steps is not None else job.train.steps
+
+
+def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
+    """Run the training job (on this node's ranks with `options.node`); returns each local rank's
+    `WorkerResult` by plan rank."""
+    plan = choose_plan(job, options.plan_path)
+    check_runnable(plan)
+    # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
+    from heteroflow.data.builtin import open_train_data
+    open_train_data(job, work_dir=cache_dir() / "data")
+    from heteroflow.runtime.checkpoint import prepare_resume
+    resume_note = prepare_resume(job, resume=options.resume)
+    if resume_note:
+        print(f"heteroflow: {resume_note}", flush=True)
+    # The ranks on this machine (all of them, or this node's) put their swap files under one root.
+    swap_root = check_swap_space(job, plan, node=options.node)
     try:
-        return launch(LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir), run_worker, args)
+        if options.node is not None or options.rdzv is not None:
+            from heteroflow.runtime.multinode import run_node
+            return run_node(job, plan, options)
+        if not options.emulate:
+            check_local_devices(job, plan)
+        args = worker_args(job, plan, options)
+        print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
+              f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {args.steps} steps", flush=True)
+        spec = LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir, max_restarts=options.max_restarts)
+        return launch(spec, run_worker, args)
     finally:
         sweep_swap(swap_root)  # swap directories of ranks killed before they could remove their own

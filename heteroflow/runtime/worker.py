@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord
+from heteroflow.runtime.nodes import join_node_world, node_view, restarted_anywhere
+from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,10 +30,12 @@ class WorkerArgs:
     metrics_path: str | None = None
     predicted_step_time_s: float | None = None
     timeout_s: float = 600.0
-    """Collective timeout: a stuck rank fails instead of hanging forever."""
+    """Step limit (the watchdog reports a rank stuck in one step); collectives time out a little later."""
     return_state: bool = False
     """Return this rank's parameter shards (for equivalence tests)."""
     show_progress: bool = True
+    resume: bool = False
+    """Continue from the newest complete checkpoint in `train.checkpoint.dir` (also done after an elastic restart)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,8 @@ class WorkerResult:
 
     losses: tuple[float, ...]
     state: dict | None
+    first_step: int = 0
+    """The step `losses[0]` belongs to (the checkpoint's step when resumed)."""
     offload: dict | None = None
     """This rank's offload report (device budget limit and peak, swap directory), if its stage offloads."""
 
@@ -47,28 +53,53 @@ class WorkerResult:
 def run_worker(args: WorkerArgs) -> WorkerResult:
     """Train on this rank; every rank of the plan runs it at once."""
     from heteroflow.backends import RankMap, build_process_groups, init_world
-    from heteroflow.data.builtin import open_train_data
-    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
     from heteroflow.devices.facade import Device
-    from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.offload_step import close_offload, named_weights, offload_report
-    from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
     from heteroflow.runtime.stage import build_stage_runtime
 
     job, plan, train = args.job, args.plan, args.job.train
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    rank_map = RankMap.from_plan(plan, job.cluster)
+    rank_map = node_view(RankMap.from_plan(plan, job.cluster))
     owns_world = not dist.is_initialized()  # a test harness may have joined the world for us
-    rank = init_world(rank_map, timeout_s=args.timeout_s)
+    join_node_world(rank_map, timeout_s=collective_timeout_s(args.timeout_s))  # multi-node: under the plan's rank
+    rank = init_world(rank_map, timeout_s=collective_timeout_s(args.timeout_s))
     info = rank_map.info(rank)
     device = Device.for_vendor(info.vendor, info.local_device, emulate=args.emulate)
     device.set_current()
     device.manual_seed(train.seed)
-    groups = build_process_groups(rank_map, emulate=args.emulate, timeout_s=args.timeout_s)
+    groups = build_process_groups(rank_map, emulate=args.emulate, timeout_s=collective_timeout_s(args.timeout_s))
+    if not args.resume and restarted_anywhere(groups.world):  # an elastic restart goes on from the last checkpoint
+        args = replace(args, resume=True)
     init_from = job.resolve_path(train.init_from) if train.init_from else None
     rt = build_stage_runtime(job, plan, rank_map, groups, device=device, init_from=init_from)
+    try:  # an offloaded stage's swap files go when this rank ends, also when it fails
+        first_step, losses = _train_steps(args, rt, rank)
+        state = None
+        if args.return_state:
+            from heteroflow.models.shard import shard_of
+            state = {name: (p.detach().cpu().clone(), shard_of(p)) for name, p in named_weights(rt)}
+        offload = offload_report(rt)
+    finally:
+        close_offload(rt)
+    dist.barrier(group=groups.world)
+    if owns_world:
+        dist.destroy_process_group()
+    return WorkerResult(losses=tuple(losses), state=state, first_step=first_step, offload=offload)
+
+
+def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
+    """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step and the losses."""
+    from heteroflow.data.builtin import open_train_data
+    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
+    from heteroflow.runtime.checkpoint import TrainCheckpoints
+    from heteroflow.runtime.lr import learning_rate
+    from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
+
+    job, plan, train, info, groups, device = args.job, args.plan, args.job.train, rt.info, rt.groups, rt.device
+    checkpoints = TrainCheckpoints(args, rt, groups)
+    first_step = checkpoints.resume()
     data = open_train_data(job, work_dir=args.data_dir)
     order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
                         shuffle=train.data.shuffle if train.data else True)
@@ -76,10 +107,13 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     global_tokens = train.global_batch_size * job.model.seq_length
     counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
     writer = MetricsWriter(args.metrics_path) if rank == 0 else None
-    progress = ProgressBar(args.steps) if rank == 0 and args.show_progress else None
+    progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
+    watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank,
+                            where=f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}")
     try:
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
+            watchdog.begin(step)
             started = time.perf_counter()
             indices = order.global_batch(step)
             micro_batches = []
@@ -113,19 +147,9 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
                     progress.update(record)
             if not math.isfinite(loss):  # every rank knows the loss: all stop together
                 raise FloatingPointError(f"loss became {loss} at step {step}; lower train.lr or check the data")
-    except BaseException:
-        close_offload(rt)  # swap files go now, also when this rank fails
-        raise
+            checkpoints.after_step(step)
     finally:
+        watchdog.stop()
         if writer is not None:
             writer.close()
-    state = None
-    if args.return_state:
-        from heteroflow.models.shard import shard_of
-        state = {name: (p.detach().cpu().clone(), shard_of(p)) for name, p in named_weights(rt)}
-    offload = offload_report(rt)
-    close_offload(rt)
-    dist.barrier(group=groups.world)
-    if owns_world:
-        dist.destroy_process_group()
-    return WorkerResult(losses=tuple(losses), state=state, offload=offload)
+    return first_step, losses

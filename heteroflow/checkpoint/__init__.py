@@ -1,0 +1,11 @@
+"""Layout-independent checkpoints: every tensor stored as pieces of its logical shape, loadable by any plan.
+
+`files` (directory layout, atomic publication, pruning, safe paths; no torch), `pieces` (safetensors +
+JSON index, reading any box), `stage_state` (a stage's model and optimizer state as pieces), `save`
+(the multi-rank write protocol), `meta` (metadata and RNG). The runtime's use is in
+`heteroflow/runtime/checkpoint.py`.
+"""
+
+from heteroflow.checkpoint.files import MARKER, complete_checkpoints, latest_checkpoint, step_dir_name
+
+__all__ = ["MARKER", "complete_checkpoints", "latest_checkpoint", "step_dir_name"]

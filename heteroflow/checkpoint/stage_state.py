@@ -1,0 +1,97 @@
+"""A stage's model shard and optimizer state as layout-independent pieces, and back.
+
+What each rank writes (so every value is stored exactly once):
+  * parameters: its tp shard (the box `ParamShard` describes), written by dp rank 0 only; values
+    replicated over tp (norms, kv projections kept whole) by tp rank 0 only;
+  * optimizer state (fp32 master, exp_avg, exp_avg_sq): for each parameter, the part this rank keeps.
+    Without ZeRO that is the whole local shard (written by dp rank 0). With ZeRO a rank keeps a
+    contiguous range of the flattened local shard; that range is cut into at most a few boxes
+    (`flat_range_boxes`) and written as such, in the parameter's logical coordinates. No gathering:
+    each rank writes exactly what it holds, and the pieces of all dp ranks tile the tensor;
+  * the head copy of an embedding tied across stages is not written: it equals `embed.weight`
+    (same values, same gradients, same optimizer state), and is read back from it.
+
+Loading reads, for each local shard or ZeRO range of the new layout, exactly its boxes from whatever
+pieces cover them. Any optimizer with `state_views()` and `steps` (as `DataParallelAdamW`) works.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from heteroflow.checkpoint.pieces import CheckpointReader, Piece, flat_range_boxes, shift_box
+from heteroflow.models.init import canonical_name
+from heteroflow.models.shard import ParamShard, shard_of
+from heteroflow.remap.layout import box_shape
+
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def shard_box(shard: ParamShard) -> tuple[tuple[int, int], ...]:
+    """The box of the logical tensor that a local parameter holds."""
+    box = [(0, n) for n in shard.full_shape]
+    if shard.dim is not None:
+        box[shard.dim] = (shard.start, shard.start + shard.length)
+    return tuple(box)
+
+
+def _stored_params(model: nn.Module, tp_rank: int) -> Iterator[tuple[str, nn.Parameter, ParamShard]]:
+    """`(name, param, shard)` of the parameters whose values this tp rank stores."""
+    tied = getattr(model, "spec", None) is not None and model.spec.tie_embeddings
+    for name, param in model.named_parameters():
+        shard = shard_of(param)
+        if tied and canonical_name(name, tie_embeddings=True) != name:
+            continue  # the head copy of a tied embedding: stored as embed.weight by the first stage
+        if shard.dim is None and tp_rank != 0:
+            continue  # replicated over tp
+        yield name, param, shard
+
+
+def _zero_boxes(shard: ParamShard, start: int, stop: int) -> list[tuple[int, int, tuple]]:
+    """The flat range `[start, stop)` of a local shard as `(a, b, logical box)`, a/b relative to `start`."""
+    return [(a - start, b - start, shift_box(box, shard.dim, shard.start if shard.dim is not None else 0))
+            for a, b, box in flat_range_boxes(shard.local_shape, start, stop)]
+
+
+def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> list[Piece]:
+    """The pieces this rank writes: its share of the parameters and of the optimizer state."""
+    pieces = []
+    stored = {id(param): (name, shard) for name, param, shard in _stored_params(model, tp_rank)}
+    if dp_rank == 0:
+        for name, param, shard in _stored_params(model, tp_rank):
+            pieces.append(Piece("param", name, shard.full_shape, shard_box(shard), param.detach()))
+    if optimizer is None or not (optimizer.zero or dp_rank == 0):
+        return pieces  # without ZeRO every dp rank keeps the same state: dp rank 0 writes it
+    for param, start, stop, views in optimizer.state_views():
+        if id(param) not in stored:
+            continue
+        name, shard = stored[id(param)]
+        for a, b, box in _zero_boxes(shard, start, stop):
+            for kind in OPTIMIZER_KINDS:
+                pieces.append(Piece(kind, name, shard.full_shape, box, views[kind][a:b].view(box_shape(box))))
+    return pieces
+
+
+@torch.no_grad()
+def load_stage(model: nn.Module, optimizer, reader: CheckpointReader, *, optimizer_steps: int) -> None:
+    """Fill the model shard and the optimizer state this rank holds from a checkpoint (any layout)."""
+    tied = getattr(model, "spec", None) is not None and model.spec.tie_embeddings
+    names = {}
+    for name, param in model.named_parameters():
+        stored = canonical_name(name, tie_embeddings=tied)
+        shard = shard_of(param)
+        names[id(param)] = (stored, shard)
+        value = reader.read("param", stored, shard_box(shard), shape=shard.full_shape, dtype=param.dtype)
+        param.copy_(value.view(param.shape))
+    if optimizer is None:
+        return
+    for param, start, stop, views in optimizer.state_views():
+        stored, shard = names[id(param)]
+        for a, b, box in _zero_boxes(shard, start, stop):
+            for kind in OPTIMIZER_KINDS:
+                target = views[kind][a:b]
+                target.copy_(reader.read(kind, stored, box, shape=shard.full_shape, dtype=target.dtype).flatten())
+    optimizer.steps = optimizer_steps

@@ -1,0 +1,159 @@
+"""Checkpoints in the training loop: save every `train.checkpoint.interval` steps and at the end, and
+resume from the newest complete checkpoint under any plan.
+
+    ckpt = TrainCheckpoints(args, rt, groups)     # every rank, after build_stage_runtime
+    first_step = ckpt.resume()                   # 0, or the saved step when resuming
+    for step in range(first_step, args.steps):
+        ...one optimizer step...
+        ckpt.after_step(step)                    # collective: every rank calls it
+
+Resuming is asked for by `WorkerArgs.resume` (`heteroflow train --resume`) or happens by itself after an
+elastic restart (`TORCHELASTIC_RESTART_COUNT` > 0). Without a complete checkpoint it starts at step 0,
+with a note. A checkpoint whose model spec differs from the job's is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from heteroflow.checkpoint.files import clean_incomplete, complete_checkpoints, inside_root, step_dir_name
+from heteroflow.checkpoint.meta import check_model, read_metadata, restore_rng, rng_state, train_differences
+from heteroflow.checkpoint.pieces import CheckpointReader
+from heteroflow.checkpoint.save import save_checkpoint
+from heteroflow.checkpoint.stage_state import load_stage, stage_pieces
+from heteroflow.config import JobConfig
+from heteroflow.errors import UserError
+
+
+def restart_count() -> int:
+    """How many times the elastic agent restarted the workers (0 outside torchrun / on the first attempt)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def checkpoint_root(job: JobConfig) -> Path | None:
+    """The job's checkpoint directory (absolute), or None when it writes none."""
+    spec = job.train.checkpoint
+    return Path(job.resolve_path(spec.dir)) if spec is not None else None
+
+
+def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
+    """Before launching: check that the run can start as asked; returns a line to show, or None.
+
+    `--resume` needs `train.checkpoint`; it continues from the newest complete checkpoint (whose model
+    must be the job's), or starts at step 0 when there is none yet. Without `--resume`, a directory
+    that already holds checkpoints is refused, so a fresh run never mixes with an older one.
+    """
+    root = checkpoint_root(job)
+    if root is None:
+        if resume:
+            raise UserError("--resume needs a checkpoint directory: add `train.checkpoint: {dir: PATH, interval: "
+                            "STEPS, keep: N}` to the job")
+        return None
+    found = complete_checkpoints(root)
+    if not resume:
+        if found:
+            raise UserError(f"train.checkpoint.dir {root} already holds checkpoints (newest: {found[-1][1].name}); "
+                            "pass --resume to continue from it, or use an empty directory for a fresh run")
+        return None
+    if not found:
+        return f"no complete checkpoint in {root}: starting at step 0"
+    step, step_dir = found[-1]
+    meta = read_metadata(step_dir)
+    check_model(step_dir, meta, job.model.to_dict())
+    stages = len(meta.get("plan", {}).get("stages", ()))
+    return f"resuming from {step_dir} (step {step}, written by a {stages}-stage plan)"
+
+
+class TrainCheckpoints:
+    """One rank's view of the job's checkpoints; a no-op when the job has no `train.checkpoint`."""
+
+    def __init__(self, args, rt, groups):
+        self.job, self.plan, self.rt, self.group = args.job, args.plan, rt, groups.world
+        self.end_step = args.steps
+        self.requested = bool(args.resume) or restart_count() > 0
+        self.spec = self.job.train.checkpoint
+        self.root = checkpoint_root(self.job)
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.last_saved: int | None = None
+        self.scratch_id = "0"
+        if self.spec is not None and not hasattr(rt.optimizer, "state_views"):
+            raise UserError(f"train.checkpoint: the optimizer of stage {rt.info.stage} "
+                            f"({type(rt.optimizer).__name__}) cannot be checkpointed yet; remove train.checkpoint "
+                            "or the stage's offload settings")
+        if self.spec is not None:  # one id for this run's temporary directories, the same on every rank
+            pick = torch.tensor([secrets.randbits(40) if self.rank == 0 else 0], dtype=torch.int64)
+            dist.broadcast(pick, src=dist.get_global_rank(self.group, 0), group=self.group)
+            self.scratch_id = format(int(pick), "x")
+
+    def _note(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"heteroflow: checkpoint: {message}", flush=True)
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint when resuming; returns the first step to run."""
+        if not self.requested:
+            return 0
+        if self.spec is None:
+            self._note("resume asked for, but the job has no train.checkpoint: starting at step 0")
+            return 0
+        # Rank 0 decides (and deletes partial saves); every rank then opens the same directory.
+        choice = torch.tensor([-1], dtype=torch.int64)
+        if self.rank == 0:
+            clean_incomplete(self.root)
+            found = complete_checkpoints(self.root)
+            choice[0] = found[-1][0] if found else -1
+        dist.broadcast(choice, src=dist.get_global_rank(self.group, 0), group=self.group)
+        step = int(choice)
+        if step < 0:
+            self._note(f"no complete checkpoint in {self.root}: starting at step 0")
+            return 0
+        step_dir = inside_root(self.root / step_dir_name(step), self.root)
+        meta = read_metadata(step_dir)
+        check_model(step_dir, meta, self.job.model.to_dict())
+        for line in train_differences(meta, self.job.train.to_dict()):
+            self._note(f"note: {line}")
+        started = time.perf_counter()
+        with CheckpointReader(step_dir) as reader:
+            load_stage(self.rt.model, self.rt.optimizer, reader, optimizer_steps=meta["optimizer_steps"])
+        if isinstance(meta.get("rng"), dict):
+            restore_rng(meta["rng"])
+        self.last_saved = step
+        dist.barrier(group=self.group)
+        self._note(f"resumed from {step_dir} at step {step} ({time.perf_counter() - started:.2f} s)")
+        if step >= self.end_step:
+            self._note(f"the checkpoint is at step {step}, the run ends at step {self.end_step}: nothing to train")
+        return step
+
+    def after_step(self, step: int) -> None:
+        """After optimizer step `step`: save when an interval ends or the run does (every rank calls this)."""
+        done = step + 1
+        if self.spec is None or done == self.last_saved:
+            return
+        if done % self.spec.interval == 0 or done == self.end_step:
+            self.save(done)
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint `step` (the next step to run) from every rank; collective."""
+        started = time.perf_counter()
+        info = self.rt.info
+        pieces = stage_pieces(self.rt.model, self.rt.optimizer, tp_rank=info.tp, dp_rank=info.dp)
+        gbs = self.job.train.global_batch_size
+        metadata = {"model": self.job.model.to_dict(), "train": self.job.train.to_dict(),
+                    "plan": self.plan.to_dict(), "cluster": self.job.cluster.to_dict(),
+                    "data_position": {"step": step, "samples_consumed": step * gbs, "global_batch_size": gbs},
+                    "optimizer_steps": self.rt.optimizer.steps, "rng": rng_state()}
+        final = save_checkpoint(self.root, step, pieces, metadata, rank=self.rank, world_size=self.world_size,
+                                barrier=lambda: dist.barrier(group=self.group), scratch_id=self.scratch_id,
+                                keep=self.spec.keep)
+        self.last_saved = step
+        self._note(f"saved {final} ({time.perf_counter() - started:.2f} s)")
+        return final

@@ -1,0 +1,155 @@
+"""A per-rank step watchdog: a step that runs past the limit is reported (rank, node, stage, layout
+indices, step, and where the rank is) and the rank exits, so the agent stops the run instead of it
+hanging. Collective timeouts alone say neither the stage nor the step, and a rank stuck outside a
+collective (a loop, a dead device) never hits one; so collectives get a little longer
+(`collective_timeout_s`) and stay the backstop. A rank that is waiting on its peers when the limit
+passes holds its report back a little, so the rank they wait for (stuck elsewhere) is reported first.
+
+Also the fault-injection hook the failure tests use: `HETEROFLOW_INJECT_FAULT=kill@RANK:STEP` kills
+plan rank RANK with SIGKILL when it starts step STEP, `hang@RANK:STEP` makes it sleep there; both only
+in a node's first attempt (`TORCHELASTIC_RESTART_COUNT=0`), so a restarted run goes through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+ENV_INJECT_FAULT = "HETEROFLOW_INJECT_FAULT"
+EXIT_STUCK = 3
+"""Exit status of a rank the watchdog stopped."""
+
+
+def grace_s(limit_s: float) -> float:
+    """How much longer than the step limit collectives may wait."""
+    return max(5.0, 0.1 * limit_s)
+
+
+def collective_timeout_s(step_limit_s: float) -> float:
+    """The collective timeout that goes with a step limit: the watchdog reports first."""
+    return step_limit_s + grace_s(step_limit_s)
+
+
+class StepWatchdog:
+    """Watches one rank's steps from a daemon thread: `begin(step)` at each step, `stop()` at the end."""
+
+    def __init__(self, *, limit_s: float, rank: int, where: str, poll_s: float | None = None):
+        self.limit_s = limit_s
+        self.rank = rank
+        self.where = where
+        """`stage 1 (dp 0, tp 1) on node b`: how the report names this rank's place in the plan."""
+        self._step: int | None = None
+        self._started = 0.0
+        self._main = threading.main_thread().ident
+        self._stop = threading.Event()
+        self._poll_s = poll_s if poll_s is not None else min(0.25, max(0.05, limit_s / 40))
+        self._thread = threading.Thread(target=self._watch, name="heteroflow-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def begin(self, step: int) -> None:
+        """Step `step` starts now."""
+        self._started = time.monotonic()
+        self._step = step
+        inject_fault(self.rank, step)
+
+    def stop(self) -> None:
+        """No more steps to watch."""
+        self._step = None
+        self._stop.set()
+
+    def report(self, step: int, elapsed_s: float) -> str:
+        """The line that names the stuck rank."""
+        return (f"heteroflow watchdog: rank {self.rank} ({self.where}) has been in step {step} for "
+                f"{elapsed_s:.1f} s, over the step limit of {self.limit_s:g} s (--timeout); it is {self._doing()}")
+
+    def _stack(self) -> list[traceback.FrameSummary]:
+        frame = sys._current_frames().get(self._main)
+        return traceback.extract_stack(frame) if frame is not None else []
+
+    def _waiting(self) -> bool:
+        """Whether the main thread is in a collective or point-to-point wait (on other ranks)."""
+        stack = self._stack()
+        if not stack:
+            return False
+        innermost = stack[-1]
+        return ("torch/distributed" in innermost.filename.replace(os.sep, "/")
+                or any(w in innermost.name for w in ("wait", "recv", "all_reduce", "barrier")))
+
+    def _doing(self) -> str:
+        """Where the main thread is: its innermost frame, then the heteroflow frames that led there."""
+        stack = self._stack()
+        if not stack:
+            return "(main thread not found)"
+        innermost, callers = stack[-1], stack[:-1]
+        ours = [f for f in callers if "heteroflow" in f.filename.replace(os.sep, "/")]
+        path = "".join(f" <- {_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(ours[-4:]))
+        kind = "waiting for other ranks" if self._waiting() else "computing or stuck"
+        return f"{kind} at {_short(innermost.filename)}:{innermost.lineno} {innermost.name}{path}"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            step = self._step
+            if step is None:
+                continue
+            elapsed = time.monotonic() - self._started
+            if elapsed <= self.limit_s or self._step != step:
+                continue
+            if self._waiting() and elapsed <= self.limit_s + grace_s(self.limit_s) / 2:
+                continue  # let the rank this one waits for report first
+            self._fail(self.report(step, elapsed))
+
+    def _fail(self, report: str) -> None:
+        """Print the report, leave it where the elastic agent looks for a rank's error, and exit."""
+        print(report, file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            frame = sys._current_frames().get(self._main)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+            payload = {"message": {"message": f"StepTimeout: {report}",
+                                   "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+        sys.stdout.flush()
+        os._exit(EXIT_STUCK)  # the main thread may be blocked in C++; nothing else would stop it
+
+
+def _short(filename: str) -> str:
+    """`heteroflow/runtime/pipeline.py` rather than the full path."""
+    parts = filename.replace(os.sep, "/").split("/")
+    for i, part in enumerate(parts):
+        if part == "heteroflow":
+            return "/".join(parts[i:])
+    return parts[-1]
+
+
+def parse_fault(text: str) -> tuple[str, int, int]:
+    """`kill@3:2` -> ("kill", 3, 2)."""
+    try:
+        kind, _, at = text.partition("@")
+        rank, _, step = at.partition(":")
+        if kind not in ("kill", "hang"):
+            raise ValueError(kind)
+        return kind, int(rank), int(step)
+    except ValueError:
+        raise ValueError(f"{ENV_INJECT_FAULT}={text!r}: expected kill@RANK:STEP or hang@RANK:STEP") from None
+
+
+def inject_fault(rank: int, step: int) -> None:
+    """The test hook (see the module docstring); does nothing unless `HETEROFLOW_INJECT_FAULT` names this
+    rank and step and this is the node's first attempt."""
+    text = os.environ.get(ENV_INJECT_FAULT)
+    if not text or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    kind, fault_rank, fault_step = parse_fault(text)
+    if (fault_rank, fault_step) != (rank, step):
+        return
+    print(f"heteroflow: injected fault: {kind} rank {rank} at step {step}", file=sys.stderr, flush=True)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:
+        time.sleep(3600)

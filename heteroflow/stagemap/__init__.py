@@ -1,0 +1,16 @@
+"""stagemap: the heterogeneous cost model and the planner (no torch needed).
+
+Public API:
+- `evaluate_plan(job, plan, *, profile=None, emulate=False) -> PlanEstimate`
+- `search_plan(job, *, profile=None, options=None) -> PlanReport`
+- `Profile`, `load_profile`, `save_profile` (measurements written by `heteroflow profile`)
+"""
+
+from heteroflow.stagemap.api import search_plan
+from heteroflow.stagemap.estimate import PlanEstimate, StageEstimate, evaluate_plan
+from heteroflow.stagemap.profile import Profile, load_profile, save_profile
+from heteroflow.stagemap.report import Baseline, PlanReport
+from heteroflow.stagemap.space import SearchOptions
+
+__all__ = ["Baseline", "PlanEstimate", "PlanReport", "Profile", "SearchOptions", "StageEstimate", "evaluate_plan",
+           "load_profile", "save_profile", "search_plan"]

@@ -1,0 +1,58 @@
+"""Communication times: collectives inside a stage and the boundary transfer between two stages.
+
+Assumptions (documented, used everywhere):
+- Ring algorithms: all-reduce moves 2(n-1)/n of the buffer per rank, all-gather and reduce-scatter
+  (n-1)/n; each of the 2(n-1) or (n-1) steps pays the link latency.
+- TP collectives run on the node's intra-node link and are not overlapped with compute (Megatron default).
+- A DP group inside one node uses the intra-node link; one that spans nodes is a ring through the nodes'
+  NICs, which the tp * cp concurrent DP rings of the stage share.
+- The boundary transfer moves one micro-batch's hidden states (micro_batch_size x seq x hidden) forward and
+  the same amount of gradient backward. Its time depends only on the hardware of the two stages, never on
+  their layouts: the remap spreads the bytes over every device pair (inside a node), over the NICs of the
+  nodes involved (between nodes), or, between vendors, through host memory: device to host on the
+  sender, the network, host to device on the receiver, one hop after the other (store and forward).
+- The receiving stage pays the transfer (it waits for it before computing); sends are asynchronous.
+"""
+
+from __future__ import annotations
+
+from heteroflow.stagemap.hardware import HOST_STAGE_LATENCY_S, DeviceModel, Hardware
+
+
+def all_reduce_s(num_bytes: float, n: int, gb_per_s: float, latency_s: float) -> float:
+    """Ring all-reduce of `num_bytes` per rank over `n` ranks."""
+    if n <= 1 or num_bytes <= 0:
+        return 0.0
+    return 2.0 * (n - 1) / n * num_bytes / (gb_per_s * 1e9) + 2 * (n - 1) * latency_s
+
+
+def all_gather_s(num_bytes: float, n: int, gb_per_s: float, latency_s: float) -> float:
+    """Ring all-gather (or reduce-scatter) of a `num_bytes` full buffer over `n` ranks."""
+    if n <= 1 or num_bytes <= 0:
+        return 0.0
+    return (n - 1) / n * num_bytes / (gb_per_s * 1e9) + (n - 1) * latency_s
+
+
+def dp_link(device: DeviceModel, hardware: Hardware, *, single_node: bool, tp: int, cp: int) -> tuple[float, float]:
+    """(GB/s, latency) of one DP ring of a stage."""
+    if single_node or hardware.emulate:
+        return device.intra_node_gb_per_s, device.intra_latency_s
+    return min(device.intra_node_gb_per_s, hardware.inter_node_gb_per_s / (tp * cp)), hardware.inter_latency_s
+
+
+def boundary_s(num_bytes: float, hardware: Hardware, *, sender: DeviceModel, receiver: DeviceModel,
+               sender_devices: int, receiver_devices: int, sender_nodes: frozenset[str],
+               receiver_nodes: frozenset[str]) -> float:
+    """One-way transfer of `num_bytes` from one stage to the next."""
+    if hardware.emulate:
+        return num_bytes / (sender.intra_node_gb_per_s * 1e9) + sender.intra_latency_s
+    if len(sender_nodes) == 1 and sender_nodes == receiver_nodes:
+        pairs = min(sender_devices, receiver_devices)
+        return num_bytes / (sender.intra_node_gb_per_s * 1e9 * pairs) + sender.intra_latency_s
+    nics = min(len(sender_nodes), len(receiver_nodes))
+    network = num_bytes / (hardware.inter_node_gb_per_s * 1e9 * nics) + hardware.inter_latency_s
+    if sender.vendor == receiver.vendor:
+        return network
+    d2h = num_bytes / (sender.host_link_gb_per_s * 1e9 * sender_devices) + HOST_STAGE_LATENCY_S
+    h2d = num_bytes / (receiver.host_link_gb_per_s * 1e9 * receiver_devices) + HOST_STAGE_LATENCY_S
+    return d2h + network + h2d

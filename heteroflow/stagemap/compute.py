@@ -1,0 +1,118 @@
+"""FLOPs and compute time of a Llama-family decoder, per layer and per device, forward and backward.
+
+Per layer and token (h hidden, f MLP width, a query heads, k kv heads, d head width, s sequence):
+- projections: q and o are h x (a d), k and v are h x (k d): 2 (2 a d + 2 k d) h FLOPs forward;
+- attention core (flash attention, causal): QK^T and PV over s/2 keys on average: 2 s a d FLOPs;
+- MLP: SwiGLU has three h x f matrices (6 h f FLOPs), GELU two (4 h f);
+- LM head (last stage): 2 h V; embedding lookup (first stage): memory traffic only.
+Backward costs 2x the forward for GEMMs (input and weight gradients), 2.5x for the attention core (flash
+attention recomputes the probabilities) and 2x the memory traffic of elementwise kernels (norms, residual
+adds, RoPE, the activation function, the loss), which are priced at device memory bandwidth.
+Tensor parallelism splits heads and the MLP width (kv heads are replicated when tp > kv heads); with
+sequence parallelism the norms and residual adds also work on 1/tp of the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from heteroflow.config.model import ModelSpec
+from heteroflow.stagemap.hardware import DeviceModel
+
+ATTENTION_BACKWARD_FACTOR = 2.5
+KERNELS_PER_LAYER = 24
+"""Kernels one block launches in its forward (norms, projections, RoPE, attention, MLP, adds); twice that
+in the backward."""
+LOSS_BYTES_PER_LOGIT = 12
+"""Cross-entropy traffic per logit: read the bf16 logits, write and re-read fp32 probabilities."""
+
+
+def kv_heads_local(model: ModelSpec, tp: int) -> int:
+    """KV heads one tp rank holds (replicated when tp exceeds the kv heads)."""
+    return model.num_kv_heads // tp if model.num_kv_heads % tp == 0 else 1
+
+
+def mlp_matrices(model: ModelSpec) -> int:
+    """Weight matrices of the MLP: 3 for SwiGLU, 2 for GELU."""
+    return 3 if model.activation == "swiglu" else 2
+
+
+def layer_params_per_device(model: ModelSpec, tp: int) -> float:
+    """Parameters of one transformer block held by one tp rank."""
+    h, d = model.hidden_size, model.kv_channels
+    q_loc, kv_loc = model.num_attention_heads // tp, kv_heads_local(model, tp)
+    attn = 2 * h * q_loc * d + 2 * h * kv_loc * d
+    if model.qkv_bias:
+        attn += (q_loc + 2 * kv_loc) * d
+    mlp = mlp_matrices(model) * h * model.ffn_hidden_size / tp
+    norms = 2 * h * (2 if model.normalization == "layernorm" else 1) + (2 * d if model.qk_norm else 0)
+    return attn + mlp + norms
+
+
+def embedding_params_per_device(model: ModelSpec, tp: int) -> float:
+    """Parameters of the first stage beyond its blocks: the (vocab-parallel) embedding, learned positions."""
+    positions = model.seq_length * model.hidden_size if model.position_embedding == "learned" else 0
+    return model.vocab_size * model.hidden_size / tp + positions
+
+
+def head_params_per_device(model: ModelSpec, tp: int, *, single_stage: bool) -> float:
+    """Parameters of the last stage beyond its blocks: final norm and LM head (a copy when tied across stages)."""
+    head = 0 if (model.tie_embeddings and single_stage) else model.vocab_size * model.hidden_size / tp
+    return head + model.hidden_size
+
+
+def model_flops_per_sample(model: ModelSpec) -> float:
+    """Training FLOPs of one sample (forward + backward = 3 x forward, no recompute), for MFU."""
+    h, d, s = model.hidden_size, model.kv_channels, model.seq_length
+    a, k = model.num_attention_heads, model.num_kv_heads
+    per_token = 2 * (2 * a * d + 2 * k * d) * h + 2 * s * a * d + 2 * mlp_matrices(model) * h * model.ffn_hidden_size
+    forward = s * (model.num_layers * per_token + 2 * h * model.vocab_size)
+    return 3.0 * forward
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCompute:
+    """Compute seconds of one block on one device for one micro-batch, split by kind."""
+
+    gemm_s: float
+    attention_s: float
+    elementwise_s: float
+    activation_fn_s: float
+    """The part of `elementwise_s` spent in the MLP activation (recomputed by selective recompute)."""
+    overhead_s: float
+    """Kernel launches."""
+
+
+def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int, sp: bool,
+                  dtype_bytes: int) -> LayerCompute:
+    """Forward compute of one block for `tokens` tokens on one device of a tp group."""
+    h, d, s = model.hidden_size, model.kv_channels, model.seq_length
+    q_dim = model.num_attention_heads // tp * d
+    kv_dim = kv_heads_local(model, tp) * d
+    f_loc = model.ffn_hidden_size / tp
+    up = 2 if model.activation == "swiglu" else 1
+    gemm = (dev.gemm_s(tokens, q_dim + 2 * kv_dim, h, dtype_bytes) + dev.gemm_s(tokens, h, q_dim, dtype_bytes)
+            + dev.gemm_s(tokens, up * f_loc, h, dtype_bytes) + dev.gemm_s(tokens, h, f_loc, dtype_bytes))
+    attn_flops = 2.0 * tokens * s * (model.num_attention_heads // tp) * d
+    attention = attn_flops / (dev.gemm_tflops(min(tokens, s, d)) * 1e12)
+    h_e = h / tp if sp else h
+    act_fn = dev.memory_s((up + 1) * tokens * f_loc * dtype_bytes)
+    elementwise = dev.memory_s((10 * h_e + 2 * (q_dim + kv_dim)) * tokens * dtype_bytes) + act_fn
+    return LayerCompute(gemm_s=gemm, attention_s=attention, elementwise_s=elementwise, activation_fn_s=act_fn,
+                        overhead_s=dev.launch_s(KERNELS_PER_LAYER))
+
+
+def embedding_s(model: ModelSpec, dev: DeviceModel, *, tokens: float, dtype_bytes: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the embedding lookup and its gradient scatter-add."""
+    h = model.hidden_size
+    return dev.memory_s(2 * tokens * h * dtype_bytes), dev.memory_s(2 * tokens * h * 4)
+
+
+def head_s(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int, sp: bool,
+           dtype_bytes: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the final norm, LM head and cross-entropy loss."""
+    h, v_loc = model.hidden_size, model.vocab_size / tp
+    gemm = dev.gemm_s(tokens, v_loc, h, dtype_bytes)
+    norm = dev.memory_s(2 * tokens * (h / tp if sp else h) * dtype_bytes)
+    loss = dev.memory_s(LOSS_BYTES_PER_LOGIT * tokens * v_loc)
+    return gemm + norm + loss, 2 * gemm + 2 * norm + loss

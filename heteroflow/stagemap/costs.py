@@ -1,0 +1,276 @@
+"""`StageCosts`: one stage's forward/backward time per micro-batch, per-step tail and memory per device.
+
+Everything is affine in the stage's layer count (plus first/last-stage extras), so the planner can price a
+layout once and read off any layer count; `evaluate_plan` uses the same numbers.
+
+Overlap assumptions:
+- TP collectives are exposed (added to compute); recompute repeats the forward ones in the backward.
+- Per block, traffic that a prefetching runtime hides behind that block's compute is overlapped with it
+  (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, ZeRO-2
+  gradient reduce-scatters (every micro-batch), parameter fetches from CPU/SSD, activation offload to
+  CPU and back, and the context-parallel K/V ring (overlapped with the attention core only).
+- The tail of a step (DP gradient reduction for ZeRO 0/1, parameter all-gather after the step for ZeRO
+  1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
+  pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
+  global norm, so the stages synchronize there).
+- Offload bandwidths: the device's host link for CPU; for SSD the node's NVMe read/write bandwidth shared
+  by the node's devices (and never more than the host link); CPU Adam streams 28 bytes per parameter at
+  the node's host memory bandwidth shared by its devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from heteroflow.config.model import ModelSpec
+from heteroflow.stagemap.comm import all_gather_s, all_reduce_s, dp_link
+from heteroflow.stagemap.compute import (embedding_params_per_device, embedding_s, head_params_per_device, head_s,
+                                         kv_heads_local, layer_forward, layer_params_per_device,
+                                         ATTENTION_BACKWARD_FACTOR)
+from heteroflow.stagemap.hardware import DeviceModel, Hardware
+from heteroflow.stagemap.layout import Layout
+from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, memory_from_parts,
+                                        memory_parts, memory_total_from_parts, state_bytes_per_param)
+
+ADAM_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True, slots=True)
+class StageHardware:
+    """The shape of one stage's devices: their model, count, how many nodes they span, devices per node."""
+
+    device: DeviceModel
+    num_devices: int
+    num_nodes: int
+    node_count: int
+    """Devices per node on these nodes (shares of NVMe and host memory bandwidth)."""
+
+    @property
+    def single_node(self) -> bool:
+        return self.num_nodes == 1
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Affine cost model of one stage under one layout and micro-batch size."""
+
+    fwd_layer_s: float
+    bwd_layer_s: float
+    fwd_first_s: float
+    bwd_first_s: float
+    fwd_last_s: float
+    bwd_last_s: float
+    tail_const_s: float
+    tail_per_param_s: float
+    params: Affine
+    """Parameters per device (as an affine function; in_flight unused)."""
+    memory_total: Affine
+    memory_parts: MemoryParts = field(repr=False, compare=False)
+    layout: Layout = field(repr=False, compare=False)
+
+    @property
+    def memory(self) -> MemoryModel:
+        """Memory by component (weights, gradients, optimizer, activations, transient, reserve)."""
+        return memory_from_parts(self.memory_parts, self.layout)
+
+    def forward_s(self, layers: int, first: bool, last: bool) -> float:
+        """Forward seconds of one micro-batch (compute and exposed collectives, no boundary transfer)."""
+        return layers * self.fwd_layer_s + self.fwd_first_s * first + self.fwd_last_s * last
+
+    def backward_s(self, layers: int, first: bool, last: bool) -> float:
+        """Backward seconds of one micro-batch."""
+        return layers * self.bwd_layer_s + self.bwd_first_s * first + self.bwd_last_s * last
+
+    def tail_s(self, layers: int, first: bool, last: bool) -> float:
+        """Seconds after the flush: gradient reduction, parameter gather and optimizer step."""
+        return self.tail_const_s + self.tail_per_param_s * self.params.at(layers, 0, first, last)
+
+    def memory_bytes(self, layers: int, in_flight: int, first: bool, last: bool) -> float:
+        """Peak bytes per device, reserve included."""
+        return self.memory_total.at(layers, in_flight, first, last)
+
+
+def stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: Layout, micro_batch_size: int,
+                hardware: Hardware) -> StageCosts:
+    """The cost model of a stage (cached: the planner asks for the same combinations many times)."""
+    return _stage_costs(model, precision, hw, layout, micro_batch_size, hardware.inter_node_gb_per_s,
+                        hardware.inter_latency_s, hardware.emulate)
+
+
+@lru_cache(maxsize=200_000)
+def _stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: Layout, mbs: int,
+                 inter_gb_per_s: float, inter_latency_s: float, emulate: bool) -> StageCosts:
+    b = _base(model, precision, hw, layout.tp, layout.dp, layout.cp, layout.sp, mbs, inter_gb_per_s,
+              inter_latency_s, emulate)
+    return costs_from_base(model, precision, hw, layout, b)
+
+
+def stage_costs_many(model: ModelSpec, precision: str, hw: StageHardware, layouts: list[Layout], mbs: int,
+                     hardware: Hardware) -> list[StageCosts]:
+    """`stage_costs` for many layouts of one stage shape (the shared part computed once per tp/dp/cp/sp)."""
+    bases: dict[tuple, _Base] = {}
+    out = []
+    for lay in layouts:
+        key = (lay.tp, lay.dp, lay.cp, lay.sp)
+        if key not in bases:
+            bases[key] = _base(model, precision, hw, lay.tp, lay.dp, lay.cp, lay.sp, mbs,
+                               hardware.inter_node_gb_per_s, hardware.inter_latency_s, hardware.emulate)
+        out.append(costs_from_base(model, precision, hw, lay, bases[key]))
+    return out
+
+
+def costs_from_base(model: ModelSpec, precision: str, hw: StageHardware, layout: Layout, b: "_Base") -> StageCosts:
+    """Apply ZeRO, recompute and offload to the shared part of a stage's costs."""
+    compute_fwd = b.compute_fwd
+    compute_bwd = b.compute_bwd
+    tp_bwd = b.tp_fwd
+    if layout.recompute == "full":
+        compute_bwd += compute_fwd
+        tp_bwd += b.tp_fwd
+    elif layout.recompute == "selective":
+        compute_bwd += b.attn_fwd + b.activation_fn_s
+
+    # Traffic hidden behind each block's compute.
+    overlap_fwd = overlap_bwd = 0.0
+    if layout.zero >= 3:
+        overlap_fwd += b.gather_weights_s
+        overlap_bwd += b.gather_weights_s + b.scatter_grads_s
+    elif layout.zero == 2:
+        overlap_bwd += b.scatter_grads_s
+    off = layout.offload
+    if off.params != "device":
+        read_bw, write_bw = _tier_bandwidth(hw.device, hw, off.params)
+        shard = b.p_layer / (layout.dp if layout.zero >= 3 else 1)
+        overlap_fwd += shard * b.wb / (read_bw * 1e9)
+        overlap_bwd += shard * b.wb / (read_bw * 1e9) + shard * b.gb / (write_bw * 1e9)
+    if off.activations != "device":
+        stored = b.stored[layout.recompute]
+        overlap_fwd += stored / (hw.device.host_link_gb_per_s * 1e9)
+        overlap_bwd += stored / (hw.device.host_link_gb_per_s * 1e9)
+    fwd_layer = max(compute_fwd, overlap_fwd) + b.tp_fwd
+    bwd_layer = max(compute_bwd, overlap_bwd) + tp_bwd
+
+    emb_f, emb_b, head_f, head_b = b.emb_f, b.emb_b, b.head_f, b.head_b
+    if layout.zero >= 3:
+        emb_f, emb_b, head_f, head_b = (emb_f + b.zero3_extras[0], emb_b + b.zero3_extras[1],
+                                        head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
+    tail_const, tail_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb, b.ob)
+    return StageCosts(fwd_layer_s=fwd_layer, bwd_layer_s=bwd_layer, fwd_first_s=emb_f, bwd_first_s=emb_b,
+                      fwd_last_s=head_f, bwd_last_s=head_b, tail_const_s=tail_const, tail_per_param_s=tail_per_param,
+                      params=b.params, memory_total=memory_total_from_parts(b.memory, layout),
+                      memory_parts=b.memory, layout=layout)
+
+
+@dataclass(frozen=True, slots=True)
+class _Base:
+    """What a stage costs before ZeRO, recompute and offload are applied."""
+
+    tokens: float
+    wb: int
+    gb: int
+    ob: int
+    compute_fwd: float
+    compute_bwd: float
+    attn_fwd: float
+    activation_fn_s: float
+    tp_fwd: float
+    dp_bw: float
+    dp_lat: float
+    p_layer: float
+    gather_weights_s: float
+    scatter_grads_s: float
+    emb_f: float
+    emb_b: float
+    head_f: float
+    head_b: float
+    zero3_extras: tuple[float, float, float, float]
+    params: Affine
+    stored: dict = field(hash=False)
+    """Stored activation bytes per block and micro-batch, by recompute mode."""
+    memory: MemoryParts = field(hash=False)
+
+
+@lru_cache(maxsize=20_000)
+def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int, cp: int, sp: bool, mbs: int,
+          inter_gb_per_s: float, inter_latency_s: float, emulate: bool) -> _Base:
+    hardware = Hardware(devices={}, inter_node_gb_per_s=inter_gb_per_s, inter_latency_s=inter_latency_s,
+                        emulate=emulate)
+    dev = hw.device
+    wb, gb, ob = state_bytes_per_param(precision)
+    tokens = mbs / dp * model.seq_length / cp
+    lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=wb)
+    intra, intra_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
+    dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
+    act_bytes = tokens * model.hidden_size * wb
+    tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
+    # Context parallelism: each rank passes its K/V chunk around the ring (twice in the backward).
+    kv_chunk = tokens * 2 * kv_heads_local(model, tp) * model.kv_channels * wb
+    cp_fwd = (cp - 1) * kv_chunk / (intra * 1e9) + (cp - 1) * intra_lat if cp > 1 else 0.0
+    attn_fwd = max(lc.attention_s, cp_fwd)
+    attn_bwd = max(ATTENTION_BACKWARD_FACTOR * lc.attention_s, 2 * cp_fwd)
+    p_layer = layer_params_per_device(model, tp)
+    # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
+    emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=wb)
+    head_f, head_b = head_s(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=wb)
+    emb_f += all_reduce_s(act_bytes, tp, intra, intra_lat)
+    if sp:
+        head_f += all_gather_s(act_bytes, tp, intra, intra_lat)
+        head_b += all_gather_s(act_bytes, tp, intra, intra_lat)
+    else:
+        head_b += all_reduce_s(act_bytes, tp, intra, intra_lat)
+    p_emb, p_head = embedding_params_per_device(model, tp), head_params_per_device(model, tp, single_stage=False)
+    zero3 = (all_gather_s(p_emb * wb, dp, dp_bw, dp_lat), all_gather_s(p_emb * (wb + gb), dp, dp_bw, dp_lat),
+             all_gather_s(p_head * wb, dp, dp_bw, dp_lat), all_gather_s(p_head * (wb + gb), dp, dp_bw, dp_lat))
+    params = Affine(0.0, p_layer, 0.0, p_emb, p_head,
+                    -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0)
+    return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
+                 compute_fwd=lc.gemm_s + attn_fwd + lc.elementwise_s + lc.overhead_s,
+                 compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + 2 * lc.overhead_s,
+                 attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, dp_bw=dp_bw, dp_lat=dp_lat,
+                 p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, dp, dp_bw, dp_lat),
+                 scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
+                 head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
+                 stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=wb)
+                         for rc in ("none", "selective", "full")},
+                 memory=memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
+                                     capacity_gib=dev.memory_gib))
+
+
+def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[float, float]:
+    """(read, write) GB/s per device to an offload tier."""
+    if tier == "ssd":
+        return (min(dev.host_link_gb_per_s, dev.ssd_read_gb_per_s / hw.node_count),
+                min(dev.host_link_gb_per_s, dev.ssd_write_gb_per_s / hw.node_count))
+    return dev.host_link_gb_per_s, dev.host_link_gb_per_s
+
+
+def _tail(layout: Layout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float,
+          wb: int, gb: int, ob: int) -> tuple[float, float]:
+    """(constant seconds, seconds per parameter held by a device) of the step's tail."""
+    dp = layout.dp
+    const = per_param = 0.0
+    if dp > 1:
+        ring = (dp - 1) / dp / (dp_bw * 1e9)
+        if layout.zero == 0:
+            per_param += 2 * ring * gb
+            const += 2 * (dp - 1) * dp_lat
+        elif layout.zero == 1:
+            per_param += ring * (gb + wb)
+            const += 2 * (dp - 1) * dp_lat
+        elif layout.zero == 2:
+            per_param += ring * wb
+            const += (dp - 1) * dp_lat
+    shard = 1.0 / dp if layout.zero >= 1 else 1.0
+    off = layout.offload
+    if off.optimizer == "device":
+        per_param += shard * ADAM_BYTES_PER_PARAM / (dev.hbm_gb_per_s * 1e9)
+        return const, per_param
+    host_adam = ADAM_BYTES_PER_PARAM / (dev.host_memory_gb_per_s / hw.node_count * 1e9)
+    per_param += shard * host_adam
+    if off.params == "device":  # gradients down, updated weights up
+        per_param += shard * (gb + wb) / (dev.host_link_gb_per_s * 1e9)
+    if off.optimizer == "ssd":
+        read_bw, write_bw = _tier_bandwidth(dev, hw, "ssd")
+        per_param += shard * ob * (1 / (read_bw * 1e9) + 1 / (write_bw * 1e9))
+    return const, per_param

@@ -1,0 +1,226 @@
+"""`evaluate_plan`: price one explicit plan with the cost model; `PlanEstimate`: the figures per stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from heteroflow.config.job import JobConfig
+from heteroflow.config.plan import OffloadSpec, PlanSpec, StageSpec
+from heteroflow.errors import UserError
+from heteroflow.stagemap.comm import boundary_s
+from heteroflow.stagemap.compute import model_flops_per_sample
+from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
+from heteroflow.stagemap.hardware import Hardware, build_hardware
+from heteroflow.stagemap.layout import Layout
+from heteroflow.stagemap.memory import GIB
+from heteroflow.stagemap.pipeline import in_flight, pipeline_time
+from heteroflow.stagemap.profile import Profile, load_profile
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageEstimate:
+    """Predicted figures of one stage (times per micro-batch, memory per device)."""
+
+    index: int
+    devices: tuple[str, ...]
+    device_type: str
+    num_devices: int
+    layers: tuple[int, int]
+    """[first, last_exclusive)."""
+    layout: Layout
+    forward_s: float
+    """Forward of one micro-batch, including receiving its input from the previous stage."""
+    backward_s: float
+    """Backward of one micro-batch, including receiving the gradient from the next stage."""
+    recv_forward_s: float
+    recv_backward_s: float
+    tail_s: float
+    """Gradient reduction, parameter gather and optimizer step after the flush."""
+    in_flight: int
+    memory_peak_gib: float
+    memory_capacity_gib: float
+    memory_gib: dict[str, float] = field(hash=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_peak_gib <= self.memory_capacity_gib
+
+    def to_json(self) -> dict:
+        """Contract keys plus the layout and per-micro-batch times."""
+        lay = self.layout
+        return {"devices": list(self.devices), "device_type": self.device_type, "num_devices": self.num_devices,
+                "layers": list(self.layers), "tp": lay.tp, "dp": lay.dp, "cp": lay.cp, "sp": lay.sp,
+                "zero": lay.zero, "recompute": lay.recompute, "offload": lay.offload.to_dict(),
+                "memory_peak_gib": round(self.memory_peak_gib, 3),
+                "memory_capacity_gib": round(self.memory_capacity_gib, 3),
+                "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
+                "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "recv_forward_s": self.recv_forward_s, "recv_backward_s": self.recv_backward_s,
+                "tail_s": self.tail_s, "in_flight": self.in_flight, "fits": self.fits}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanEstimate:
+    """What the cost model predicts for one plan."""
+
+    plan: PlanSpec
+    stages: tuple[StageEstimate, ...]
+    num_micro_batches: int
+    pipeline_time_s: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float
+    problems: tuple[str, ...] = ()
+    emulate: bool = False
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        """The plan JSON of the CLI contract (without search fields)."""
+        out = {"feasible": self.feasible, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+               "mfu": self.mfu, "bubble_fraction": self.bubble_fraction, "pipeline_time_s": self.pipeline_time_s,
+               "schedule": self.plan.schedule, "micro_batch_size": self.plan.micro_batch_size,
+               "num_micro_batches": self.num_micro_batches, "num_devices": self.plan.num_devices,
+               "stages": [s.to_json() for s in self.stages]}
+        if self.problems:
+            out["problems"] = list(self.problems)
+        if self.emulate:
+            out["emulate"] = True
+        return out
+
+    def predicted(self) -> dict:
+        """The `predicted` mapping written next to a plan by `plan -o`."""
+        return {"step_time_s": float(f"{self.step_time_s:.6g}"), "tokens_per_s": float(f"{self.tokens_per_s:.6g}"),
+                "mfu": round(self.mfu, 4), "bubble_fraction": round(self.bubble_fraction, 4),
+                "memory_peak_gib": [round(s.memory_peak_gib, 2) for s in self.stages]}
+
+
+def resolve_profile(job: JobConfig, profile: Profile | None) -> Profile | None:
+    """`profile` if given, else the job's `cluster.profile` file (relative to the job file), else None."""
+    if profile is not None or not job.cluster.profile:
+        return profile
+    return load_profile(job.resolve_path(job.cluster.profile))
+
+
+def job_hardware(job: JobConfig, profile: Profile | None, *, emulate: bool = False, num_ranks: int = 1) -> Hardware:
+    """Device models of the job's cluster for its precision."""
+    return build_hardware(job.cluster.device_types, job.cluster.inter_node_gb_per_s, job.train.precision,
+                          profile=profile, emulate=emulate, num_ranks=num_ranks)
+
+
+def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tuple[StageHardware, frozenset[str]]:
+    """The shape of an explicit stage's devices, and the nodes they are on."""
+    device = hardware.devices.get(stage.device_type)
+    if device is None:
+        raise UserError(f"device type {stage.device_type!r} cannot train in {job.train.precision}")
+    nodes = frozenset(r.node for r in stage.device_refs)
+    return StageHardware(device=device, num_devices=stage.num_devices, num_nodes=len(nodes),
+                         node_count=max(job.cluster.node(n).count for n in nodes)), nodes
+
+
+def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = None,
+                  emulate: bool = False) -> PlanEstimate:
+    """Estimate `plan` for `job`. Stages that do not fit in memory are reported in `problems`.
+
+    `emulate=True` prices the run `heteroflow train --emulate` would do: every rank a local CPU process
+    (priced as the profiled local device, or the catalog `cpu` entry), all ranks sharing the host.
+    """
+    profile = resolve_profile(job, profile)
+    hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices)
+    placed = [stage_hardware(job, hardware, s) for s in plan.stages]
+    hws = [hw for hw, _ in placed]
+    costs = [stage_costs(job.model, job.train.precision, hw, Layout.of(s), plan.micro_batch_size, hardware)
+             for hw, s in zip(hws, plan.stages)]
+    recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
+    return assemble(job, plan, hws, costs, recv, emulate=emulate)
+
+
+def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageHardware, frozenset[str]]],
+                   micro_batch_size: int) -> list[float]:
+    """One-way transfer time between each pair of neighbouring stages (stage shape, nodes)."""
+    dtype = 4 if job.train.precision == "fp32" else 2
+    num_bytes = micro_batch_size * job.model.seq_length * job.model.hidden_size * dtype
+    return [boundary_s(num_bytes, hardware, sender=a.device, receiver=b.device, sender_devices=a.num_devices,
+                       receiver_devices=b.num_devices, sender_nodes=na, receiver_nodes=nb)
+            for (a, na), (b, nb) in zip(placed, placed[1:])]
+
+
+def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: list[StageCosts],
+             recv: list[float], *, emulate: bool = False) -> PlanEstimate:
+    """Combine per-stage costs into pipeline, step and memory figures."""
+    p, m = len(plan.stages), plan.num_micro_batches(job.train)
+    fwd, bwd, tails, stages, problems = [], [], [], [], []
+    for k, ((first_layer, last_layer), stage, hw, c) in enumerate(zip(plan.layer_ranges(), plan.stages, hws, costs)):
+        first, last, layers = k == 0, k == p - 1, stage.layers
+        recv_f = recv[k - 1] if k > 0 else 0.0
+        recv_b = recv[k] if k < p - 1 else 0.0
+        fwd.append(c.forward_s(layers, first, last) + recv_f)
+        bwd.append(c.backward_s(layers, first, last) + recv_b)
+        tails.append(c.tail_s(layers, first, last))
+        f = in_flight(plan.schedule, p, k, m)
+        peak = c.memory_bytes(layers, f, first, last) / GIB
+        est = StageEstimate(index=k, devices=stage.devices, device_type=stage.device_type,
+                            num_devices=stage.num_devices, layers=(first_layer, last_layer), layout=Layout.of(stage),
+                            forward_s=fwd[-1], backward_s=bwd[-1], recv_forward_s=recv_f, recv_backward_s=recv_b,
+                            tail_s=tails[-1], in_flight=f, memory_peak_gib=peak,
+                            memory_capacity_gib=hw.device.memory_gib,
+                            memory_gib=c.memory.components(layers, f, first, last))
+        stages.append(est)
+        if not est.fits:
+            problems.append(memory_problem(job, est, hw, plan, first, last))
+    pipe = pipeline_time(fwd, bwd, m, plan.schedule)
+    step = pipe + max(tails)
+    tokens = job.train.global_batch_size * job.model.seq_length
+    peak_flops = sum(hw.device.peak_tflops * hw.device.share * hw.num_devices for hw in hws) * 1e12
+    mfu = model_flops_per_sample(job.model) * job.train.global_batch_size / (step * peak_flops)
+    busy = sum(m * (f + b) for f, b in zip(fwd, bwd))
+    return PlanEstimate(plan=plan, stages=tuple(stages), num_micro_batches=m, pipeline_time_s=pipe,
+                        step_time_s=step, tokens_per_s=tokens / step, mfu=mfu,
+                        bubble_fraction=max(0.0, 1.0 - busy / (p * pipe)), problems=tuple(problems), emulate=emulate)
+
+
+def memory_problem(job: JobConfig, est: StageEstimate, hw: StageHardware, plan: PlanSpec, first: bool,
+                   last: bool) -> str:
+    """One line: which stage lacks how much memory, where it goes, and which knobs would help."""
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in est.memory_gib.items())
+    short = est.memory_peak_gib - est.memory_capacity_gib
+    line = (f"stage {est.index} ({est.num_devices} x {est.device_type}, layers {est.layers[0]}-{est.layers[1] - 1}, "
+            f"{est.layout.describe()}): needs {est.memory_peak_gib:.1f} GiB per device but has "
+            f"{est.memory_capacity_gib:.1f} GiB (short by {short:.1f} GiB; {parts} GiB)")
+    hints = fit_hints(job, est, hw, plan, first, last)
+    return line + ("; " + "; ".join(hints) if hints else "")
+
+
+def fit_hints(job: JobConfig, est: StageEstimate, hw: StageHardware, plan: PlanSpec, first: bool, last: bool) -> list[str]:
+    """Single changes of the stage's layout that lower its peak, with the resulting peak."""
+    lay = est.layout
+    options = []
+    if lay.dp > 1 and lay.zero < 3:
+        options.append(("zero 3", replace(lay, zero=3)))
+    if lay.recompute != "full":
+        options.append(("recompute full", replace(lay, recompute="full")))
+    if lay.tp > 1 and not lay.sp and job.model.seq_length % lay.tp == 0:
+        options.append(("sp", replace(lay, sp=True)))
+    if lay.offload.optimizer == "device":
+        options.append(("offload optimizer to cpu", replace(lay, offload=replace(lay.offload, optimizer="cpu"))))
+    if lay.offload.activations == "device":
+        options.append(("offload activations to cpu", replace(lay, offload=replace(lay.offload, activations="cpu"))))
+    frugal = replace(lay, zero=3 if lay.dp > 1 else lay.zero, recompute="full", sp=lay.tp > 1 and job.model.seq_length % lay.tp == 0,
+                     offload=OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"))
+    options.append(("all of these with parameters offloaded too", frugal))
+    hardware = Hardware(devices={}, inter_node_gb_per_s=job.cluster.inter_node_gb_per_s)
+    layers = est.layers[1] - est.layers[0]
+    hints = []
+    for name, alt in options:
+        c = stage_costs(job.model, job.train.precision, hw, alt, plan.micro_batch_size, hardware)
+        peak = c.memory_bytes(layers, est.in_flight, first, last) / GIB
+        if peak < est.memory_peak_gib - 0.05:
+            hints.append(f"{name}: {peak:.1f} GiB{' (fits)' if peak <= est.memory_capacity_gib else ''}")
+    if not any("(fits)" in h for h in hints):
+        per_layer = (est.memory_peak_gib - est.memory_gib["reserve"]) / max(layers, 1)
+        if per_layer > 0:
+            hints.append("or give it fewer layers (more stages / devices)")
+    return hints

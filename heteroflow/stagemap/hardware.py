@@ -1,0 +1,183 @@
+"""`DeviceModel` and `Hardware`: the rates the cost model uses, from the catalog or from a profile.
+
+Without a profile, a GEMM runs at `peak x efficiency`, where the documented efficiency curve is
+
+    efficiency(dim) = EFF_MAX[vendor] * dim / (dim + EFF_HALF_DIM[vendor])
+
+and `dim` is the smallest of the GEMM's three dimensions (M, N, K) on one device: skinny and small matrices
+fill fewer tiles of the matrix units, so tensor parallelism (which shrinks N or K) and short sequences cost
+efficiency. EFF_MAX is what large bf16 GEMMs reach in public measurements (cuBLAS ~80% of the A100/H100
+peak, hipBLASLt and CANN somewhat less); EFF_HALF_DIM is the dimension at which half of that is reached.
+The catalog `cpu` entry is already a measured matmul rate, so its EFF_MAX is 1. A profile replaces the curve
+with measured square-GEMM rates (interpolated in log(dim)), and the catalog bandwidths with measured ones.
+
+Host-side figures the catalog does not carry (per node): HOST_MEMORY_GB_PER_S (CPU Adam and staging),
+SSD_READ_GB_PER_S / SSD_WRITE_GB_PER_S (NVMe offload). Latencies: INTRA_LATENCY_S per collective step
+inside a node, INTER_LATENCY_S between nodes, HOST_STAGE_LATENCY_S per host-staged hop.
+
+Emulation (`emulate=True`): every device is priced as the profiled local device (or the catalog `cpu`
+entry), and the `num_ranks` ranks share the host: each rank gets 1/num_ranks of the measured compute and
+memory bandwidth and of the host memory; every link is the measured local link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from heteroflow.config.device import DeviceSpec
+from heteroflow.stagemap.profile import DeviceProfile, Profile
+
+EFF_MAX = {"nvidia": 0.80, "amd": 0.70, "hygon": 0.60, "ascend": 0.70, "cpu": 1.0}
+EFF_HALF_DIM = {"nvidia": 128.0, "amd": 160.0, "hygon": 192.0, "ascend": 160.0, "cpu": 48.0}
+HOST_MEMORY_GB_PER_S = 100.0
+SSD_READ_GB_PER_S = 6.0
+SSD_WRITE_GB_PER_S = 4.0
+INTRA_LATENCY_S = 1.0e-5
+INTER_LATENCY_S = 2.0e-5
+HOST_STAGE_LATENCY_S = 5.0e-5
+LAUNCH_OVERHEAD_S = {"nvidia": 4e-6, "amd": 6e-6, "hygon": 8e-6, "ascend": 10e-6, "cpu": 15e-6}
+"""Host-side cost of launching one kernel (eager PyTorch); matters only for small models."""
+FP32_FALLBACK_DIVISOR = 8.0
+"""A device that publishes no fp32 rate (Ascend cubes) is priced at its fp16/bf16 peak / 8 for fp32."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceModel:
+    """One device type as the cost model sees it, for the job's precision."""
+
+    name: str
+    vendor: str
+    memory_gib: float
+    peak_tflops: float
+    hbm_gb_per_s: float
+    intra_node_gb_per_s: float
+    host_link_gb_per_s: float
+    host_memory_gb_per_s: float = HOST_MEMORY_GB_PER_S
+    """Per node."""
+    ssd_read_gb_per_s: float = SSD_READ_GB_PER_S
+    """Per node."""
+    ssd_write_gb_per_s: float = SSD_WRITE_GB_PER_S
+    """Per node."""
+    intra_latency_s: float = INTRA_LATENCY_S
+    launch_overhead_s: float = 5e-6
+    """Seconds to launch one kernel (per rank; under emulation the ranks share the host's cores)."""
+    eff_max: float = 0.8
+    eff_half_dim: float = 128.0
+    measured: DeviceProfile | None = None
+    """Measured GEMM curve, used instead of peak x efficiency when present."""
+    precision: str = "bf16"
+    share: float = 1.0
+    """Fraction of the measured compute and memory bandwidth one rank gets (emulation)."""
+
+    def gemm_tflops(self, dim: float) -> float:
+        """Effective TFLOP/s of a GEMM whose smallest dimension is `dim`."""
+        if self.measured is not None:
+            rate = self.measured.gemm_rate_tflops(self.precision, dim)
+            if rate is not None:
+                return rate * self.share
+        return self.peak_tflops * self.eff_max * dim / (dim + self.eff_half_dim) * self.share
+
+    def gemm_s(self, m: float, n: float, k: float, dtype_bytes: int) -> float:
+        """Seconds for one (m x k) @ (k x n) GEMM: compute at the effective rate, or memory traffic if slower."""
+        flops = 2.0 * m * n * k
+        compute = flops / (self.gemm_tflops(min(m, n, k)) * 1e12)
+        traffic = dtype_bytes * (m * k + k * n + m * n) / (self.hbm_gb_per_s * 1e9)
+        return max(compute, traffic)
+
+    def launch_s(self, kernels: int) -> float:
+        """Host-side seconds to launch `kernels` kernels."""
+        return kernels * self.launch_overhead_s / self.share
+
+    def memory_s(self, num_bytes: float) -> float:
+        """Seconds to stream `num_bytes` through device memory (elementwise kernels)."""
+        return num_bytes / (self.hbm_gb_per_s * 1e9)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """The cluster's device models and network, as priced for one job."""
+
+    devices: dict[str, DeviceModel]
+    inter_node_gb_per_s: float
+    inter_latency_s: float = INTER_LATENCY_S
+    emulate: bool = False
+    """Every rank a local CPU process: links are the local link, no host staging."""
+
+
+def peak_for(spec: DeviceSpec, precision: str) -> float | None:
+    """Dense peak TFLOP/s of `spec` for `precision`, with the documented fp32 fallback."""
+    peak = spec.peak_tflops(precision)
+    if peak is None and precision == "fp32":
+        low = max(spec.tflops_bf16 or 0.0, spec.tflops_fp16 or 0.0)
+        peak = low / FP32_FALLBACK_DIVISOR if low else None
+    return peak
+
+
+def device_model(spec: DeviceSpec, precision: str, profile: Profile | None = None) -> DeviceModel | None:
+    """The model of `spec` for `precision`; None when the device cannot train in that precision."""
+    peak = peak_for(spec, precision)
+    measured = profile.device(spec.name) if profile is not None else None
+    if measured is not None and measured.gemm_tflops.get(precision):
+        peak = peak or max(r for _, r in measured.gemm_tflops[precision])
+    if peak is None:
+        return None
+    model = DeviceModel(name=spec.name, vendor=spec.vendor, memory_gib=spec.memory_gib, peak_tflops=peak,
+                        hbm_gb_per_s=spec.hbm_gb_per_s, intra_node_gb_per_s=spec.intra_node_gb_per_s,
+                        host_link_gb_per_s=spec.host_link_gb_per_s, eff_max=EFF_MAX[spec.vendor],
+                        launch_overhead_s=LAUNCH_OVERHEAD_S[spec.vendor],
+                        eff_half_dim=EFF_HALF_DIM[spec.vendor], precision=precision)
+    if measured is not None:
+        model = _apply_measurements(model, measured, profile)
+    return model
+
+
+def _apply_measurements(model: DeviceModel, measured: DeviceProfile, profile: Profile) -> DeviceModel:
+    """Replace catalog figures by whatever the profile measured."""
+    changes: dict = {"measured": measured}
+    if measured.memory_gb_per_s:
+        changes["hbm_gb_per_s"] = measured.memory_gb_per_s
+    if measured.host_link_gb_per_s:
+        changes["host_link_gb_per_s"] = measured.host_link_gb_per_s
+    if measured.launch_overhead_s:
+        changes["launch_overhead_s"] = measured.launch_overhead_s
+    if profile.link is not None and profile.link.gb_per_s:
+        changes["intra_node_gb_per_s"] = profile.link.gb_per_s
+        changes["intra_latency_s"] = profile.link.latency_s or model.intra_latency_s
+    if profile.host.memory_gb_per_s:
+        changes["host_memory_gb_per_s"] = profile.host.memory_gb_per_s
+    if profile.disk is not None and profile.disk.read_gb_per_s and profile.disk.write_gb_per_s:
+        changes["ssd_read_gb_per_s"] = profile.disk.read_gb_per_s
+        changes["ssd_write_gb_per_s"] = profile.disk.write_gb_per_s
+    return replace(model, **changes)
+
+
+def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, precision: str, *,
+                   profile: Profile | None = None, emulate: bool = False, num_ranks: int = 1) -> Hardware:
+    """Device models for every device type of a cluster (types that cannot run `precision` left out)."""
+    if not emulate:
+        models = {name: m for name, spec in device_types.items()
+                  if (m := device_model(spec, precision, profile)) is not None}
+        return Hardware(devices=models, inter_node_gb_per_s=inter_node_gb_per_s)
+    local = emulated_device(precision, profile=profile, num_ranks=num_ranks)
+    models = {name: replace(local, name=name, vendor=spec.vendor) for name, spec in device_types.items()}
+    return Hardware(devices=models, inter_node_gb_per_s=local.intra_node_gb_per_s,
+                    inter_latency_s=local.intra_latency_s, emulate=True)
+
+
+def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int) -> DeviceModel:
+    """The local CPU (profiled, else the catalog `cpu` entry) as seen by one of `num_ranks` ranks."""
+    from heteroflow.devices.catalog import CATALOG
+    base = device_model(CATALOG["cpu"], precision)
+    assert base is not None
+    ranks = max(1, num_ranks)
+    memory_gib = base.memory_gib
+    base = replace(base, host_memory_gb_per_s=base.hbm_gb_per_s)  # CPU Adam runs on the same cores
+    if profile is not None and profile.devices:
+        measured = profile.device("cpu") or profile.devices[0]
+        base = _apply_measurements(replace(base, measured=measured), measured, profile)
+        if profile.host.memory_gib:
+            memory_gib = profile.host.memory_gib / ranks
+    # Ranks share the cores and the memory bus: each gets 1/ranks of the measured rates.
+    return replace(base, memory_gib=memory_gib, share=1.0 / ranks,
+                   hbm_gb_per_s=base.hbm_gb_per_s / ranks, host_link_gb_per_s=base.hbm_gb_per_s / ranks,
+                   host_memory_gb_per_s=base.host_memory_gb_per_s / ranks)

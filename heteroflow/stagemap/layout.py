@@ -1,0 +1,97 @@
+"""`Layout`: one stage's intra-operator layout, and the layouts the planner searches for a stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from heteroflow.config.model import ModelSpec
+from heteroflow.config.plan import OffloadSpec, StageSpec
+
+OFFLOAD_CHOICES = (
+    OffloadSpec(),
+    OffloadSpec(optimizer="cpu"),
+    OffloadSpec(optimizer="ssd"),
+    OffloadSpec(optimizer="cpu", params="cpu"),
+    OffloadSpec(optimizer="ssd", params="ssd"),
+    OffloadSpec(activations="cpu"),
+    OffloadSpec(optimizer="cpu", activations="cpu"),
+    OffloadSpec(optimizer="ssd", activations="cpu"),
+    OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"),
+    OffloadSpec(optimizer="ssd", params="ssd", activations="cpu"),
+)
+"""Offload combinations searched: parameters leave the device only together with the optimizer state, and
+(with dp > 1) only under ZeRO-3, as in ZeRO-Infinity."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """tp x cp x dp over a stage's devices (tp innermost), plus sp, ZeRO, recompute and offload."""
+
+    tp: int = 1
+    dp: int = 1
+    cp: int = 1
+    sp: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    offload: OffloadSpec = field(default_factory=OffloadSpec)
+
+    @classmethod
+    def of(cls, stage: StageSpec) -> "Layout":
+        """The layout of an explicit stage."""
+        return cls(tp=stage.tp, dp=stage.dp, cp=stage.cp, sp=stage.sp, zero=stage.zero,
+                   recompute=stage.recompute, offload=stage.offload)
+
+    def stage_fields(self) -> dict:
+        """Keyword arguments for `StageSpec`."""
+        return {"tp": self.tp, "dp": self.dp, "cp": self.cp, "sp": self.sp, "zero": self.zero,
+                "recompute": self.recompute, "offload": self.offload}
+
+    def describe(self) -> str:
+        """Short text: `tp4 dp2 sp zero1 rc=full off=opt:cpu`."""
+        parts = [f"tp{self.tp}", f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.sp:
+            parts.append("sp")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        if self.offload.any:
+            parts.append("off=" + ",".join(f"{k[:3]}:{v}" for k, v in self.offload.to_dict().items()))
+        return " ".join(parts)
+
+
+def tp_valid(model: ModelSpec, tp: int) -> bool:
+    """tp splits the heads, the kv heads (or replicates them) and the MLP evenly (as config/plan checks)."""
+    return (model.num_attention_heads % tp == 0 and (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0)
+            and model.ffn_hidden_size % tp == 0)
+
+
+def tp_choices(model: ModelSpec, num_devices: int, node_count: int) -> list[int]:
+    """tp degrees for a stage of `num_devices` devices whose tp groups must stay inside nodes of `node_count`."""
+    return [t for t in range(1, min(num_devices, node_count) + 1)
+            if num_devices % t == 0 and (num_devices <= node_count or node_count % t == 0) and tp_valid(model, t)]
+
+
+def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro_batch_size: int,
+                   zero: tuple[int, ...] = (0, 1, 2, 3), recompute: tuple[str, ...] = ("none", "selective", "full"),
+                   offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES, sp: tuple[bool, ...] = (False, True)) -> list[Layout]:
+    """Every layout the planner considers for a stage of `num_devices` devices (cp = 1)."""
+    out = []
+    for tp in tp_choices(model, num_devices, node_count):
+        dp = num_devices // tp
+        if micro_batch_size % dp:
+            continue
+        for use_sp in sp:
+            if use_sp and (tp == 1 or model.seq_length % tp):
+                continue
+            for z in zero:
+                if z and dp == 1:
+                    continue
+                for rc in recompute:
+                    for off in offload:
+                        if off.params != "device" and dp > 1 and z != 3:
+                            continue
+                        out.append(Layout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off))
+    return out

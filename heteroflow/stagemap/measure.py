@@ -1,0 +1,259 @@
+"""Measurements behind `heteroflow profile` (imports torch lazily; everything else in stagemap is pure).
+
+- GEMM throughput of square n x n x n matmuls over sizes and dtypes, on the local device;
+- device memory bandwidth (a large copy) and the device-host link (pinned copies; the same copy on CPU);
+- the cost of one small kernel (launch and dispatch overhead);
+- the link between two local processes over the backend in use (gloo on CPU, nccl with two GPUs), in a
+  child process pair on a free port, with a timeout;
+- sequential disk write and read with O_DIRECT (aligned buffers), falling back to fsync + dropping the
+  page cache where the file system refuses O_DIRECT (the profile says which).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import tempfile
+import time
+
+from heteroflow.errors import UserError
+from heteroflow.stagemap.profile import DeviceProfile, DiskProfile, HostProfile, LinkProfile, Profile
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def measure_profile(*, quick: bool = False, device_type: str | None = None, disk_dir: str | None = None,
+                    link: bool = True, link_timeout_s: float = 60.0) -> Profile:
+    """Measure this machine. `quick` uses small sizes (seconds, for tests)."""
+    import torch
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda:0" if cuda else "cpu")
+    name = torch.cuda.get_device_name(0) if cuda else _cpu_name()
+    dtype_name, vendor = _device_type(device_type, name, cuda)
+    sizes = (64, 128, 256) if quick else (256, 512, 1024, 2048, 4096) if cuda else (128, 256, 512, 1024, 2048)
+    budget = 0.02 if quick else 0.25
+    gemm = {prec: tuple((n, _gemm_tflops(torch, device, n, getattr(torch, dt), budget)) for n in sizes)
+            for prec, dt in _DTYPES.items()}
+    copy_mib = 16 if quick else 256
+    memory_gb_per_s = _copy_gb_per_s(torch, device, copy_mib, budget)
+    host_gb_per_s = _host_link_gb_per_s(torch, copy_mib, budget) if cuda else memory_gb_per_s
+    host_mem = _copy_gb_per_s(torch, torch.device("cpu"), copy_mib, budget) if cuda else memory_gb_per_s
+    dev = DeviceProfile(device_type=dtype_name, vendor=vendor, description=f"{name} ({torch.get_num_threads()} threads)"
+                        if not cuda else name, memory_gib=_memory_gib(torch, cuda),
+                        memory_gb_per_s=memory_gb_per_s, host_link_gb_per_s=host_gb_per_s,
+                        launch_overhead_s=_launch_s(torch, device, 200 if quick else 2000), gemm_tflops=gemm)
+    host = HostProfile(name=socket.gethostname(), cpu_cores=os.cpu_count() or 1, memory_gib=_host_memory_gib(),
+                       memory_gb_per_s=host_mem)
+    link_profile = _measure_link(cuda and torch.cuda.device_count() >= 2, 4 if quick else 64, link_timeout_s) if link else None
+    disk = _measure_disk(disk_dir or tempfile.gettempdir(), 16 if quick else 256)
+    return Profile(host=host, devices=(dev,), link=link_profile, disk=disk)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def _device_type(given: str | None, name: str, cuda: bool) -> tuple[str, str]:
+    """(device type the profile describes, vendor)."""
+    from heteroflow.devices.catalog import CATALOG
+    if given is not None:
+        spec = CATALOG.get(given)
+        return given, spec.vendor if spec else ("cpu" if not cuda else "nvidia")
+    if not cuda:
+        return "cpu", "cpu"
+    lowered = name.lower().replace(" ", "-")
+    for key, spec in CATALOG.items():
+        model = key.split("-", 1)[1].split("-")[0] if "-" in key else key
+        if spec.vendor != "cpu" and model and model in lowered:
+            return key, spec.vendor
+    raise UserError(f"cannot tell which catalog entry {name!r} is; pass --device-type NAME "
+                    "(see `heteroflow devices --catalog`)")
+
+
+def _timed(fn, budget_s: float, sync) -> float:
+    """Seconds per call of `fn`, repeated for about `budget_s` after a warm-up."""
+    fn()
+    sync()
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if calls % 2 == 0:
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= budget_s:
+                return elapsed / calls
+
+
+def _sync(torch, device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _gemm_tflops(torch, device, n: int, dtype, budget_s: float) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = _timed(lambda: torch.mm(a, b), budget_s, _sync(torch, device))
+    return 2.0 * n ** 3 / seconds / 1e12
+
+
+def _copy_gb_per_s(torch, device, mib: int, budget_s: float) -> float:
+    src = torch.empty(mib << 18, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = _timed(lambda: dst.copy_(src), budget_s, _sync(torch, device))
+    return 2.0 * src.numel() * 4 / seconds / 1e9  # read + write
+
+
+def _host_link_gb_per_s(torch, mib: int, budget_s: float) -> float:
+    host = torch.empty(mib << 18, dtype=torch.float32).pin_memory()
+    dev = torch.empty(mib << 18, dtype=torch.float32, device="cuda:0")
+    seconds = _timed(lambda: dev.copy_(host, non_blocking=True), budget_s, lambda: torch.cuda.synchronize())
+    return host.numel() * 4 / seconds / 1e9
+
+
+def _launch_s(torch, device, calls: int) -> float:
+    x = torch.zeros(1, device=device)
+    sync = _sync(torch, device)
+    x.add_(1)
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        x.add_(1)
+    sync()
+    return (time.perf_counter() - start) / calls
+
+
+def _memory_gib(torch, cuda: bool) -> float:
+    if cuda:
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return _host_memory_gib()
+
+
+def _host_memory_gib() -> float:
+    try:
+        import psutil
+        return psutil.virtual_memory().total / 2**30
+    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure_link(nccl: bool, mib: int, timeout_s: float) -> LinkProfile:
+    """Ping-pong between two local processes: latency from 4-byte messages, bandwidth from `mib` MiB."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_link_worker, args=(rank, port, nccl, mib, queue), daemon=True) for rank in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        result = queue.get(timeout=timeout_s)
+    except Exception:
+        result = None
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    if result is None or isinstance(result, str):
+        raise UserError(f"link measurement between two local processes failed: {result or 'timed out'}")
+    backend, gb_per_s, latency_s = result
+    return LinkProfile(backend=backend, gb_per_s=gb_per_s, latency_s=latency_s)
+
+
+def _link_worker(rank: int, port: int, nccl: bool, mib: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    backend = "nccl" if nccl else "gloo"
+    try:
+        if nccl:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=__import__("datetime").timedelta(seconds=60))
+        device = torch.device(f"cuda:{rank}" if nccl else "cpu")
+        small = torch.zeros(1, device=device)
+        big = torch.zeros(mib << 18, device=device)
+
+        def ping(t: torch.Tensor, rounds: int) -> float:
+            start = time.perf_counter()
+            for _ in range(rounds):
+                if rank == 0:
+                    dist.send(t, 1)
+                    dist.recv(t, 1)
+                else:
+                    dist.recv(t, 0)
+                    dist.send(t, 0)
+            if nccl:
+                torch.cuda.synchronize()
+            return (time.perf_counter() - start) / (2 * rounds)
+
+        ping(small, 5)
+        latency = ping(small, 50)
+        ping(big, 1)
+        one_way = ping(big, 3)
+        if rank == 0:
+            queue.put((backend, big.numel() * 4 / max(one_way - latency, 1e-9) / 1e9, latency))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:  # the parent reports it as a user-facing failure
+        if rank == 0:
+            queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def _measure_disk(directory: str, mib: int) -> DiskProfile:
+    """Write then read `mib` MiB sequentially in 4 MiB blocks."""
+    block = 4 << 20
+    blocks = max(1, mib * (1 << 20) // block)
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(4096) * (block // 4096))
+    fd, path = tempfile.mkstemp(prefix="heteroflow-profile-", dir=directory)
+    os.close(fd)
+    direct = hasattr(os, "O_DIRECT")
+    try:
+        try:
+            write_s = _disk_pass(path, buf, blocks, write=True, direct=direct)
+            read_s = _disk_pass(path, buf, blocks, write=False, direct=direct)
+        except OSError:
+            direct = False
+            write_s = _disk_pass(path, buf, blocks, write=True, direct=False)
+            read_s = _disk_pass(path, buf, blocks, write=False, direct=False)
+    finally:
+        os.unlink(path)
+        buf.close()
+    total = blocks * block
+    return DiskProfile(path=directory, read_gb_per_s=total / read_s / 1e9, write_gb_per_s=total / write_s / 1e9,
+                       direct_io=direct)
+
+
+def _disk_pass(path: str, buf: mmap.mmap, blocks: int, *, write: bool, direct: bool) -> float:
+    flags = (os.O_WRONLY | os.O_TRUNC) if write else os.O_RDONLY
+    if direct:
+        flags |= os.O_DIRECT
+    fd = os.open(path, flags)
+    try:
+        if not write and not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        for _ in range(blocks):
+            if write:
+                os.write(fd, buf)
+            else:
+                os.readv(fd, [buf])
+        if write:
+            os.fsync(fd)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)

@@ -1,0 +1,241 @@
+"""Per-stage option tables for the planner: every searched layout priced once per (stage shape,
+micro-batch size), reduced to the layouts no other one beats everywhere, then, for one position in the
+pipeline, to the (layers, layout) options not dominated in (forward, backward, tail) among those that fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from heteroflow.config.job import JobConfig
+from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs, stage_costs_many
+from heteroflow.stagemap.dp import Option
+from heteroflow.stagemap.hardware import Hardware
+from heteroflow.stagemap.layout import Layout
+from heteroflow.stagemap.memory import GIB
+
+# Columns of the coefficient matrix (`coefficients`): times, tail and memory as affine functions of the
+# layer count and position.
+_F, _FF, _FL, _B, _BF, _BL, _TC, _TL, _TF, _TLA, _TB, _MC, _ML, _MI, _MF, _MLA, _MB = range(17)
+
+
+@dataclass(slots=True)
+class LayoutTable:
+    """The layouts of one stage shape and micro-batch size that some position could prefer."""
+
+    layouts: list[Layout]
+    costs: list[StageCosts]
+    coef: np.ndarray
+    capacity_bytes: float
+
+
+def coefficients(c: StageCosts) -> list[float]:
+    pp, prm, mem = c.tail_per_param_s, c.params, c.memory_total
+    return [c.fwd_layer_s, c.fwd_first_s, c.fwd_last_s, c.bwd_layer_s, c.bwd_first_s, c.bwd_last_s,
+            c.tail_const_s, pp * prm.per_layer, pp * prm.first, pp * prm.last, pp * prm.both,
+            mem.const, mem.per_layer, mem.per_layer_in_flight, mem.first, mem.last, mem.both]
+
+
+def layout_table(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: list[Layout],
+                 micro_batch_size: int) -> LayoutTable:
+    """Price `layouts` and drop those another layout beats in every coefficient (exact: all figures are
+    non-decreasing in every coefficient for every position)."""
+    costs = stage_costs_many(job.model, job.train.precision, hw, layouts, micro_batch_size, hardware)
+    coef = np.array([coefficients(c) for c in costs], dtype=float).reshape(len(costs), 17)
+    # A layout that cannot hold one layer with one micro-batch in flight (the least any position asks) never fits.
+    fits = coef[:, _MC] + coef[:, _ML] + coef[:, _MI] <= hw.device.memory_gib * GIB
+    keep = [i for i in _skyline(coef) if fits[i]]
+    return LayoutTable([layouts[i] for i in keep], [costs[i] for i in keep], coef[keep],
+                       hw.device.memory_gib * GIB)
+
+
+def _skyline(rows: np.ndarray) -> list[int]:
+    """Indices of rows no other row dominates (<= everywhere; of equal rows the lowest index stays).
+
+    In lexicographic order a row can only be dominated by rows before it, so one pass against the rows
+    kept so far suffices."""
+    order = np.lexsort(rows.T[::-1])
+    kept_rows = np.empty_like(rows)
+    kept: list[int] = []
+    for i in order:
+        r = rows[i]
+        n = len(kept)
+        if n and (kept_rows[:n] <= r).all(axis=1).any():
+            continue
+        kept_rows[n] = r
+        kept.append(int(i))
+    return sorted(kept)
+
+
+@dataclass(slots=True)
+class SlotCurve:
+    """One stage position's view of a layout table, before boundary transfers: for every layer count, the
+    layouts that fit, their (forward, backward, tail) and the least F + B among them."""
+
+    forward: np.ndarray
+    """[layers - 1, layout] seconds (layout columns: the table's layouts that could fit here)."""
+    backward: np.ndarray
+    tail: np.ndarray
+    fits: np.ndarray
+    layouts: list[Layout]
+    least_time: np.ndarray
+    """[layers - 1]: least F + B over the layouts that fit (inf where none does)."""
+    least_tail: float
+    """Least tail of any layout that fits one layer."""
+
+
+def slot_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, max_layers: int) -> SlotCurve:
+    """The options of a stage at one position (boundary transfers excluded: they add the same to all)."""
+    c = table.coef
+    both = first and last
+    f0 = c[:, _FF] * first + c[:, _FL] * last
+    b0 = c[:, _BF] * first + c[:, _BL] * last
+    t0 = c[:, _TC] + c[:, _TF] * first + c[:, _TLA] * last + c[:, _TB] * both
+    m0 = c[:, _MC] + c[:, _MF] * first + c[:, _MLA] * last + c[:, _MB] * both
+    mslope = c[:, _ML] + in_flight * c[:, _MI]
+    room = table.capacity_bytes - m0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lmax = np.where(mslope > 0, np.floor(room / np.where(mslope > 0, mslope, 1.0)),
+                        np.where(room >= 0, max_layers, -1))
+    lmax = np.minimum(lmax, max_layers)
+    # Drop layouts another one beats at every layer count here (times and room for layers).
+    rows = np.stack([c[:, _F], f0, c[:, _B], b0, c[:, _TL], t0, -lmax], axis=1)
+    live = np.array([i for i in _skyline(rows) if lmax[i] >= 1], dtype=int)
+    layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
+    if len(live) == 0:
+        empty = np.zeros((max_layers, 0))
+        return SlotCurve(empty, empty, empty, empty.astype(bool), [], np.full(max_layers, np.inf), np.inf)
+    live = np.array(sorted(live), dtype=int)  # table order: simpler layouts first
+    fwd = c[live, _F][None, :] * layers + f0[live][None, :]
+    bwd = c[live, _B][None, :] * layers + b0[live][None, :]
+    tail = c[live, _TL][None, :] * layers + t0[live][None, :]
+    fits = lmax[live][None, :] >= layers
+    least = np.where(fits, fwd + bwd, np.inf).min(axis=1)
+    least_tail = float(np.where(fits[0], tail[0], np.inf).min())
+    return SlotCurve(fwd, bwd, tail, fits, [table.layouts[i] for i in live], least, least_tail)
+
+
+def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, max_layers: int,
+                micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """By layer count, over the layouts that fit: (least F + B, least m (F + B) + tail with m =
+    `micro_batches`, least tail), boundary transfers excluded; inf where nothing fits. What the planner's
+    bounds need, without the per-position reduction."""
+    c = table.coef
+    both = first and last
+    f0 = c[:, _FF] * first + c[:, _FL] * last + c[:, _BF] * first + c[:, _BL] * last
+    t0 = c[:, _TC] + c[:, _TF] * first + c[:, _TLA] * last + c[:, _TB] * both
+    m0 = c[:, _MC] + c[:, _MF] * first + c[:, _MLA] * last + c[:, _MB] * both
+    mslope = c[:, _ML] + in_flight * c[:, _MI]
+    layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
+    if not len(c):
+        return np.full(max_layers, np.inf), np.full(max_layers, np.inf), np.full(max_layers, np.inf)
+    fits = m0[None, :] + mslope[None, :] * layers <= table.capacity_bytes
+    time = (c[:, _F] + c[:, _B])[None, :] * layers + f0[None, :]
+    least = np.where(fits, time, np.inf).min(axis=1)
+    tail = c[:, _TL][None, :] * layers + t0[None, :]
+    own = np.where(fits, micro_batches * time + tail, np.inf).min(axis=1)
+    return least, own, np.where(fits, tail, np.inf).min(axis=1)
+
+
+class StageOptions:
+    """A stage's options at one position with its boundary transfers, for the dynamic program: the options
+    of a layer count are reduced to those not dominated in (forward, backward, tail) when first asked for."""
+
+    def __init__(self, curve: SlotCurve, recv_in: float, recv_out: float):
+        self.curve = curve
+        self.recv_in, self.recv_out = recv_in, recv_out
+        self.least = curve.least_time + (recv_in + recv_out)
+        self.least_tail = curve.least_tail
+        """Least tail of any option (at one layer: tails grow with layers)."""
+        self._front: dict[int, list[int]] = {}
+
+    def _pareto(self, layers: int) -> list[int]:
+        if layers not in self._front:
+            c, row = self.curve, layers - 1
+            if row >= c.fits.shape[0] or c.fits.shape[1] == 0:
+                self._front[layers] = []
+            else:
+                idx = np.flatnonzero(c.fits[row])
+                f, b, t = c.forward[row, idx], c.backward[row, idx], c.tail[row, idx]
+                le = (f[None, :] <= f[:, None]) & (b[None, :] <= b[:, None]) & (t[None, :] <= t[:, None])
+                lt = ((f[None, :] < f[:, None]) | (b[None, :] < b[:, None]) | (t[None, :] < t[:, None])
+                      | np.tri(len(idx), k=-1, dtype=bool))
+                self._front[layers] = [int(i) for i in idx[~np.any(le & lt, axis=1)]]
+        return self._front[layers]
+
+    def options(self, layers: int) -> list[Option]:
+        """Options with `layers` layers that fit and that no other beats in (F, B, tail); ties keep the
+        simplest layout (the table's order)."""
+        c, row = self.curve, layers - 1
+        return [Option(layers, float(c.forward[row, i]) + self.recv_in, float(c.backward[row, i]) + self.recv_out,
+                       float(c.tail[row, i]), c.layouts[i]) for i in self._pareto(layers)]
+
+    def fastest(self, layers: int) -> Option | None:
+        """The option with the least F + B (then tail)."""
+        opts = self.options(layers)
+        return min(opts, key=lambda o: (o.forward_s + o.backward_s, o.tail_s)) if opts else None
+
+
+@dataclass(frozen=True, slots=True)
+class QuickStats:
+    """Bounds for one stage shape and micro-batch size without pricing every layout: the least time per
+    layer and the least first/last-stage extras of any layout (memory ignored), and the least memory per
+    layer of any layout, split into training state and activations per micro-batch in flight (each taken
+    at its own minimum over the layouts; constant parts other than the reserve ignored)."""
+
+    rate_s: float
+    first_s: float
+    last_s: float
+    state_per_layer: float
+    act_per_layer: float
+    room: float
+
+    def max_layers(self, in_flight: int, cap: int) -> int:
+        """An upper bound on the layers any layout fits with `in_flight` micro-batches in flight."""
+        slope = self.state_per_layer + in_flight * self.act_per_layer
+        if self.room < 0:
+            return 0
+        return cap if slope <= 0 else min(cap, int(self.room // slope))
+
+
+_RC_RANK = {"none": 0, "selective": 1, "full": 2}
+
+
+def _speed_rank(lay: Layout) -> tuple:
+    return (lay.zero >= 2, lay.zero, _RC_RANK[lay.recompute], lay.offload.any)
+
+
+def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: list[Layout],
+                micro_batch_size: int) -> QuickStats:
+    """Valid bounds: per-layer time and the first/last extras only grow with ZeRO 2/3, recompute and
+    offload, so only the fastest layout per (tp, sp) is priced; memory bounds come from closed formulas."""
+    from heteroflow.stagemap.compute import layer_params_per_device
+    from heteroflow.stagemap.memory import RESERVE_FRACTION, RESERVE_GIB, activation_bytes, state_bytes_per_param
+    fastest: dict[tuple, Layout] = {}
+    for lay in layouts:
+        key = (lay.tp, lay.sp)
+        if key not in fastest or _speed_rank(lay) < _speed_rank(fastest[key]):
+            fastest[key] = lay
+    costs = [stage_costs(job.model, job.train.precision, hw, lay, micro_batch_size, hardware) for lay in fastest.values()]
+    wb, gb, ob = state_bytes_per_param(job.train.precision)
+    room = hw.device.memory_gib * GIB - (RESERVE_GIB + RESERVE_FRACTION * hw.device.memory_gib) * GIB
+    state = act = float("inf")
+    for lay in layouts:
+        p_layer = layer_params_per_device(job.model, lay.tp)
+        off = lay.offload
+        weights = 0.0 if off.params != "device" else wb / (lay.dp if lay.zero >= 3 else 1)
+        grads = 0.0 if off.params != "device" else gb / (lay.dp if lay.zero >= 2 else 1)
+        optim = 0.0 if off.optimizer != "device" else ob / (lay.dp if lay.zero >= 1 else 1)
+        state = min(state, p_layer * (weights + grads + optim))
+        if off.activations != "device":
+            act = 0.0
+        elif act > 0:
+            tokens = micro_batch_size / lay.dp * job.model.seq_length / lay.cp
+            act = min(act, activation_bytes(job.model, tokens=tokens, tp=lay.tp, sp=lay.sp,
+                                            recompute=lay.recompute, dtype_bytes=wb))
+    return QuickStats(rate_s=min(c.fwd_layer_s + c.bwd_layer_s for c in costs),
+                      first_s=min(c.fwd_first_s + c.bwd_first_s for c in costs),
+                      last_s=min(c.fwd_last_s + c.bwd_last_s for c in costs),
+                      state_per_layer=state, act_per_layer=act, room=room)

@@ -1,0 +1,137 @@
+"""Pipeline time of 1F1B and GPipe with unequal stage times: a closed form and a discrete-event simulator.
+
+Stage k takes `F[k]` per micro-batch forward and `B[k]` backward, each including the boundary transfer
+it receives (the receiver pays, see comm.py); there are m micro-batches. 1F1B is Megatron's schedule:
+stage k runs w_k = min(p-1-k, m) warm-up forwards, then alternates one forward and one backward, then
+drains its w_k remaining backwards.
+
+Closed form (derived from the schedule's dependency graph; it equals the simulator's makespan):
+- GPipe: sum(F) + (m-1) max(F) + sum(B) + (m-1) max(B)  (two flow shops of identical jobs).
+- 1F1B: T = max_j cand_j. With FS(k, i) = sum_{l<=k} F_l + i * max_{l<=k} F_l (the forward flow shop,
+  end of forward i on stage k) and u_k = min(w_k, m-1):
+    A_j = max_{k>=j} [FS(k, u_k) + sum_{j<l<=k} B_l]   (when stage j can start its first backward)
+    D_j = the same with F and B swapped                 (the schedule is symmetric under time reversal)
+    cand_j = A_j + (m - w_j - 1)(F_j + B_j) + D_j       if m - w_j - 1 >= 1,
+    cand_j = A_j + sum_{l<=j} B_l + (m-1) max_{l<=j} B_l  otherwise (stage j runs all forwards first).
+  cand_j is the longest path that spends the steady state on stage j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULE_NAMES = ("1f1b", "gpipe")
+
+
+def warmup(p: int, k: int, m: int) -> int:
+    """1F1B warm-up forwards of stage k."""
+    return min(p - 1 - k, m)
+
+
+def in_flight(schedule: str, p: int, k: int, m: int) -> int:
+    """Micro-batches whose activations stage k holds at once."""
+    return m if schedule == "gpipe" else min(p - k, m)
+
+
+def pipeline_time(F: list[float], B: list[float], m: int, schedule: str) -> float:
+    """Makespan of one step's forward and backward passes (closed form)."""
+    if schedule == "gpipe":
+        return sum(F) + (m - 1) * max(F) + sum(B) + (m - 1) * max(B)
+    p = len(F)
+    a = _first_backward_start(F, B, m)
+    d = _first_backward_start(B, F, m)
+    best = 0.0
+    pre_b = max_b = 0.0
+    for j in range(p):
+        pre_b += B[j]
+        max_b = max(max_b, B[j])
+        steady = m - warmup(p, j, m) - 1
+        if steady >= 1:
+            cand = a[j] + steady * (F[j] + B[j]) + d[j]
+        else:
+            cand = a[j] + pre_b + (m - 1) * max_b
+        best = max(best, cand)
+    return best
+
+
+def _first_backward_start(F: list[float], B: list[float], m: int) -> list[float]:
+    """A_j: the time stage j may start backward 0 (longest path to it)."""
+    p = len(F)
+    fs = []
+    pre = mx = 0.0
+    for k in range(p):
+        pre += F[k]
+        mx = max(mx, F[k])
+        fs.append(pre + min(warmup(p, k, m), m - 1) * mx)
+    a = [0.0] * p
+    end_next = 0.0
+    for k in range(p - 1, -1, -1):
+        a[k] = fs[k] if k == p - 1 else max(fs[k], end_next)
+        end_next = a[k] + B[k]
+    return a
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One operation of the simulated schedule."""
+
+    stage: int
+    kind: str
+    """`recv_fwd`, `forward`, `recv_bwd`, `backward`."""
+    micro_batch: int
+    start_s: float
+    end_s: float
+
+
+def stage_order(p: int, k: int, m: int, schedule: str) -> list[tuple[str, int]]:
+    """The order in which stage k runs forwards ("F", i) and backwards ("B", i)."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    w = warmup(p, k, m)
+    order = [("F", i) for i in range(w)]
+    nf, nb = w, 0
+    while nb < m:
+        if nf < m:
+            order.append(("F", nf))
+            nf += 1
+        order.append(("B", nb))
+        nb += 1
+    return order
+
+
+def simulate(compute_f: list[float], compute_b: list[float], recv: list[float], m: int,
+             schedule: str) -> tuple[float, list[Event]]:
+    """Discrete-event simulation: each stage runs its operations in schedule order, each as soon as the
+    stage is free and its input has arrived. `recv[k]` is the transfer between stages k and k+1, paid by
+    the receiver before it computes (forward: stage k+1; backward: stage k). Returns (makespan, events)."""
+    p = len(compute_f)
+    orders = [stage_order(p, k, m, schedule) for k in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    position = [0] * p
+    free = [0.0] * p
+    events: list[Event] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for k in range(p):
+            while position[k] < len(orders[k]):
+                kind, i = orders[k][position[k]]
+                if kind == "F":
+                    ready = 0.0 if k == 0 else done.get(("F", k - 1, i))
+                    transfer, work = (recv[k - 1] if k > 0 else 0.0), compute_f[k]
+                else:
+                    ready = done.get(("F", k, i)) if k == p - 1 else done.get(("B", k + 1, i))
+                    transfer, work = (recv[k] if k < p - 1 else 0.0), compute_b[k]
+                if ready is None:
+                    break
+                start = max(free[k], ready)
+                if transfer > 0:
+                    events.append(Event(k, "recv_fwd" if kind == "F" else "recv_bwd", i, start, start + transfer))
+                events.append(Event(k, "forward" if kind == "F" else "backward", i, start + transfer,
+                                    start + transfer + work))
+                free[k] = start + transfer + work
+                done[(kind, k, i)] = free[k]
+                position[k] += 1
+                progressed = True
+    assert all(position[k] == len(orders[k]) for k in range(p)), "schedule deadlocked"
+    return max(free), events

@@ -1,0 +1,139 @@
+"""Sanity of the cost model's parts: FLOPs, efficiency, memory, communication, profiles, emulation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from heteroflow.config import PRESETS
+from heteroflow.config.plan import OffloadSpec
+from heteroflow.devices.catalog import CATALOG
+from heteroflow.stagemap.comm import all_gather_s, all_reduce_s
+from heteroflow.stagemap.compute import layer_forward, model_flops_per_sample
+from heteroflow.stagemap.costs import StageHardware, stage_costs, stage_costs_many
+from heteroflow.stagemap.hardware import Hardware, build_hardware, device_model
+from heteroflow.stagemap.layout import Layout, search_layouts
+from heteroflow.stagemap.memory import GIB, activation_bytes, memory_model
+from heteroflow.stagemap.profile import DeviceProfile, LinkProfile, Profile
+
+MODEL = PRESETS["llama2-7b"]
+A100 = device_model(CATALOG["nvidia-a100-80g"], "bf16")
+
+
+def _mem(layout: Layout, layers: int = 8, in_flight: int = 4, tokens: float = 4096.0) -> dict[str, float]:
+    return memory_model(MODEL, layout, tokens=tokens, precision="bf16", capacity_gib=80).components(
+        layers, in_flight, False, False)
+
+
+def test_model_flops_match_the_6n_rule_plus_attention():
+    n_params = MODEL.num_params()
+    per_token = model_flops_per_sample(MODEL) / MODEL.seq_length
+    # 6 N for the weights (embedding lookup has no FLOPs, so a bit under), plus 6 * L * s * h for causal attention.
+    attention = 6 * MODEL.num_layers * MODEL.seq_length * MODEL.hidden_size
+    assert per_token == pytest.approx(6 * (n_params - MODEL.vocab_size * MODEL.hidden_size) + attention, rel=0.01)
+
+
+def test_small_gemms_run_less_efficiently():
+    big = layer_forward(MODEL, A100, tokens=8192, tp=1, sp=False, dtype_bytes=2)
+    split = layer_forward(MODEL, A100, tokens=8192, tp=8, sp=False, dtype_bytes=2)
+    assert split.gemm_s * 8 > big.gemm_s  # tp 8 slices the matrices: less efficient per FLOP
+    assert A100.gemm_tflops(64) < A100.gemm_tflops(512) < A100.gemm_tflops(8192) < A100.peak_tflops
+
+
+def test_zero_stages_and_tp_divide_training_state():
+    base = _mem(Layout(dp=8))
+    z1, z2, z3 = (_mem(Layout(dp=8, zero=z)) for z in (1, 2, 3))
+    assert z1["optimizer"] == pytest.approx(base["optimizer"] / 8)
+    assert z1["gradients"] == base["gradients"] and z2["gradients"] == pytest.approx(base["gradients"] / 8)
+    assert z3["weights"] < base["weights"] / 2  # sharded, plus a two-layer gather buffer
+    tp4 = _mem(Layout(tp=4, dp=2))
+    assert tp4["weights"] == pytest.approx(base["weights"] / 4, rel=0.01)
+    assert base["optimizer"] == pytest.approx(6 * base["weights"])  # 12 bytes vs 2 per parameter
+
+
+def test_recompute_and_sequence_parallelism_cut_activations():
+    none = activation_bytes(MODEL, tokens=4096, tp=4, sp=False, recompute="none", dtype_bytes=2)
+    selective = activation_bytes(MODEL, tokens=4096, tp=4, sp=False, recompute="selective", dtype_bytes=2)
+    full = activation_bytes(MODEL, tokens=4096, tp=4, sp=False, recompute="full", dtype_bytes=2)
+    with_sp = activation_bytes(MODEL, tokens=4096, tp=4, sp=True, recompute="none", dtype_bytes=2)
+    assert full < selective < none
+    assert full == 4096 * MODEL.hidden_size * 2
+    assert with_sp < none
+    # more micro-batches in flight hold proportionally more activations
+    assert _mem(Layout(), in_flight=4)["activations"] == pytest.approx(2 * _mem(Layout(), in_flight=2)["activations"])
+
+
+def test_offload_moves_state_off_the_device():
+    base = _mem(Layout(dp=4, zero=3))
+    opt = _mem(Layout(dp=4, zero=3, offload=OffloadSpec(optimizer="cpu")))
+    params = _mem(Layout(dp=4, zero=3, offload=OffloadSpec(optimizer="ssd", params="ssd")))
+    acts = _mem(Layout(dp=4, zero=3, offload=OffloadSpec(activations="cpu")), in_flight=8)
+    assert opt["optimizer"] == 0 and opt["weights"] == base["weights"]
+    assert params["weights"] < base["weights"]
+    assert acts["activations"] < _mem(Layout(dp=4, zero=3), in_flight=8)["activations"]
+
+
+def test_offload_and_recompute_cost_time():
+    hw = StageHardware(device=A100, num_devices=8, num_nodes=1, node_count=8)
+    hardware = Hardware(devices={}, inter_node_gb_per_s=25)
+    plain = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1), 8, hardware)
+    rc = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1, recompute="full"), 8, hardware)
+    cpu = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1, offload=OffloadSpec(optimizer="cpu")), 8, hardware)
+    ssd = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1, offload=OffloadSpec(optimizer="ssd")), 8, hardware)
+    assert rc.backward_s(8, False, False) > plain.backward_s(8, False, False)
+    assert rc.forward_s(8, False, False) == plain.forward_s(8, False, False)
+    assert plain.tail_s(8, False, False) < cpu.tail_s(8, False, False) < ssd.tail_s(8, False, False)
+
+
+def test_memory_components_add_up_and_batched_costing_agrees():
+    hw = StageHardware(device=A100, num_devices=8, num_nodes=2, node_count=4)
+    hardware = Hardware(devices={}, inter_node_gb_per_s=25)
+    layouts = search_layouts(MODEL, num_devices=8, node_count=4, micro_batch_size=8)
+    for lay, batched in zip(layouts, stage_costs_many(MODEL, "bf16", hw, layouts, 8, hardware)):
+        single = stage_costs(MODEL, "bf16", hw, lay, 8, hardware)
+        assert batched.memory_bytes(5, 3, True, False) == pytest.approx(single.memory_bytes(5, 3, True, False))
+        assert sum(single.memory.components(5, 3, True, False).values()) * GIB == pytest.approx(
+            single.memory_bytes(5, 3, True, False))
+        assert batched.backward_s(5, False, True) == pytest.approx(single.backward_s(5, False, True))
+
+
+def test_collectives_follow_the_ring_formulas():
+    assert all_reduce_s(1e9, 1, 100, 1e-5) == 0.0
+    assert all_reduce_s(1e9, 4, 100, 0.0) == pytest.approx(2 * 3 / 4 * 1e9 / 100e9)
+    assert all_gather_s(1e9, 8, 50, 0.0) == pytest.approx(7 / 8 * 1e9 / 50e9)
+
+
+def test_a_profile_replaces_catalog_figures():
+    measured = DeviceProfile(device_type="nvidia-a100-80g", vendor="nvidia", memory_gb_per_s=1000,
+                             gemm_tflops={"bf16": ((512, 100.0), (4096, 200.0))})
+    profile = Profile(devices=(measured,), link=LinkProfile(backend="nccl", gb_per_s=42.0, latency_s=2e-5))
+    dev = device_model(CATALOG["nvidia-a100-80g"], "bf16", profile)
+    assert dev.gemm_tflops(4096) == pytest.approx(200.0)
+    assert dev.gemm_tflops(8192) == pytest.approx(200.0)  # clamped at the largest measured size
+    assert 100.0 < dev.gemm_tflops(1024) < 200.0  # interpolated in log(size)
+    assert dev.hbm_gb_per_s == 1000 and dev.intra_node_gb_per_s == 42.0
+    other = device_model(CATALOG["ascend-910b2"], "bf16", profile)  # not profiled: catalog figures
+    assert other.intra_node_gb_per_s == CATALOG["ascend-910b2"].intra_node_gb_per_s
+
+
+def test_emulation_prices_every_rank_as_a_share_of_the_host():
+    types = {name: CATALOG[name] for name in ("nvidia-a100-80g", "ascend-910b2")}
+    alone = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=1)
+    eight = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=8)
+    a, b = alone.devices["nvidia-a100-80g"], eight.devices["ascend-910b2"]
+    assert a.peak_tflops == b.peak_tflops == CATALOG["cpu"].tflops_fp32
+    assert b.gemm_tflops(1024) == pytest.approx(a.gemm_tflops(1024) / 8)
+    assert b.vendor == "ascend"  # vendor labels still choose the boundary transport in the runtime
+    assert replace(b, share=1.0).gemm_tflops(1024) == pytest.approx(a.gemm_tflops(1024))
+
+
+def test_the_fast_memory_total_equals_the_sum_of_components():
+    from heteroflow.stagemap.memory import memory_from_parts, memory_parts, memory_total_from_parts
+    for name in ("llama2-7b", "qwen2.5-7b", "gpt3-175b", "tiny-llama"):
+        model = PRESETS[name]
+        for precision in ("bf16", "fp32"):
+            for lay in search_layouts(model, num_devices=8, node_count=8, micro_batch_size=8):
+                parts = memory_parts(model, tp=lay.tp, sp=lay.sp, tokens=1234.0, precision=precision, capacity_gib=64)
+                assert tuple(memory_total_from_parts(parts, lay)) == pytest.approx(
+                    tuple(memory_from_parts(parts, lay).total()))
