@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.optim.adamw import adamw as torch_adamw
@@ -257,6 +257,32 @@ class StreamedAdamW:
             flat = torch.cat(pieces)
             out[key] = [flat[s:e].view(shape) for (s, e), shape in zip(self._offsets[group], self._shapes[group])]
         return out
+
+    def state_views(self, *, writable: bool = False) -> Iterator[tuple[torch.Tensor, int, int, dict]]:
+        """For checkpoints, chunk by chunk: per parameter, `(param, start, stop, {"master": t, "exp_avg": t,
+        "exp_avg_sq": t})`, `[start, stop)` a range of the flattened parameter (as `DataParallelAdamW.state_views`).
+
+        Without `writable` each `t` is a copy, kept valid after the chunk is released (saving); with it, a view
+        of the borrowed chunk, stored back in its tier when the caller asks for the next one (loading).
+        """
+        for k, piece in enumerate(self._pieces):
+            if self.tier != "device" and k + 1 < len(self._pieces):
+                self.store.prefetch(self._pieces[k + 1].name, to="host")
+            state = self.store.get(piece.name) if self.tier == "device" else self.store.host(piece.name)
+            try:
+                parts = state.view(3, piece.numel)
+                parts = parts if writable else parts.clone()
+                kinds = dict(zip(("master", "exp_avg", "exp_avg_sq"), parts.unbind(0)))
+                for tensor, (start, end) in zip(self.groups[piece.group], self._offsets[piece.group]):
+                    lo, hi = max(start, piece.start), min(end, piece.start + piece.numel)
+                    if lo < hi:
+                        a, b = lo - piece.start, hi - piece.start
+                        yield tensor, lo - start, hi - start, {kind: t[a:b] for kind, t in kinds.items()}
+                if writable:
+                    self.store.write_back(piece.name)
+            finally:
+                if self.tier != "device":
+                    self.store.release(piece.name)
 
     def close(self) -> None:
         """Free the DeepSpeed optimizer object and device gradient buffers (the store is the caller's)."""

@@ -18,6 +18,11 @@ dp replicas on dp rank 0, the head copy of a tied embedding on the first stage),
 matrices only. In fp32 with `HETEROFLOW_CPU_ADAM=torch` a plan trains bit for bit as without offload;
 with DeepSpeedCPUAdam within 1e-6 relative.
 
+Checkpoints (`heteroflow.checkpoint.stage_state`) see the same data as with `DataParallelAdamW`: the
+parameter values (offloaded blocks read back from their tier) and the fp32 master weights and moments,
+chunk by chunk from the optimizer tier, in the layout-independent format; loading writes them back into
+the tiers. So a run can resume with or without offload, under any plan.
+
 Not run (refused with a `UserError` naming the stage): ZeRO (`zero > 0`) together with an offloaded
 optimizer or offloaded parameters (the offloaded state is not sharded over dp; it has left the device
 anyway), and `params` offload with tp > 1 (blocks are fetched as whole, unsharded parameters).
@@ -26,10 +31,6 @@ anyway), and `params` offload with tp > 1 (blocks are fetched as whole, unsharde
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from heteroflow.config import JobConfig, PlanSpec, StageSpec
 from heteroflow.errors import UserError
+from heteroflow.runtime.offload_swap import checkpoint_dirs
 
 if TYPE_CHECKING:
     from heteroflow.devices.facade import Device
@@ -80,11 +82,6 @@ def stage_policy(job: JobConfig, stage: StageSpec) -> OffloadPolicy:
     return OffloadPolicy.from_stage(stage, cluster=job.cluster, swap_root=root)
 
 
-def checkpoint_dirs(job: JobConfig) -> list[str]:
-    """Directories swap files must stay out of."""
-    return [job.resolve_path(job.train.checkpoint.dir)] if job.train.checkpoint else []
-
-
 class OffloadedAdamW:
     """AdamW of one rank of a stage with offloaded optimizer state and/or parameters; see the module docstring.
 
@@ -93,10 +90,13 @@ class OffloadedAdamW:
     moved to the device.
     """
 
+    zero = 0
+    """Offloaded state is not sharded over dp (`check_offload_stage`): every dp rank keeps all of it."""
+
     def __init__(self, model: StageModel, *, policy: OffloadPolicy, device: Device, dp_group: dist.ProcessGroup | None,
                  tp_group: dist.ProcessGroup | None, betas: tuple[float, float], eps: float, weight_decay: float,
                  checkpoint_dirs: list[str] = ()) -> None:
-        from heteroflow.models.shard import shard_of
+        from heteroflow.models.shard import set_shard, shard_of
         from heteroflow.offload.stage import StageOffload
 
         self.model, self.policy, self.device = model, policy, device
@@ -107,6 +107,8 @@ class OffloadedAdamW:
         blocks = list(model.layers.values())
         in_block = {id(p): (i, j) for i, b in enumerate(blocks) for j, p in enumerate(b.parameters())}
         rest = [p for _, p in model.named_parameters() if id(p) not in in_block]
+        for p in model.parameters():
+            set_shard(p, shard_of(p))  # offloaded blocks become placeholders: keep their shapes on record
         # Norm shares in named_parameters order and with DataParallelAdamW's rule, so the global norm is
         # summed in the same order as without offload.
         head_copy = set(model.tied_parameter_names()) if model.is_last else set()
@@ -135,6 +137,15 @@ class OffloadedAdamW:
                    checkpoint_dirs=checkpoint_dirs(job))
 
     # ---- the DataParallelAdamW interface -------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (restored from checkpoints)."""
+        return self.offload.optimizer.step_count
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.offload.optimizer.step_count = value
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
@@ -189,22 +200,40 @@ class OffloadedAdamW:
         for p in self.model.parameters():
             p.grad = None
 
-    # ---- offload specifics ---------------------------------------------------------------------
+    # ---- checkpoints (the protocol of heteroflow.checkpoint.stage_state) --------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, current value)` of every parameter, offloaded blocks read back from their tier (host copies)."""
-        from heteroflow.models.shard import _ATTR
-
         params = self.offload.params
         gathered: dict[int, torch.Tensor] = {}
         if params is not None:
             for i, block_params in enumerate(params.params):
                 for p, value in zip(block_params, params.gather(i)):
-                    if hasattr(p, _ATTR):
-                        setattr(value, _ATTR, getattr(p, _ATTR))
                     gathered[id(p)] = value
         for name, p in self.model.named_parameters():
             yield name, gathered.get(id(p), p)
+
+    @torch.no_grad()
+    def load_weights(self, values: dict[str, torch.Tensor]) -> None:
+        """Set every parameter to `values[name]`: device-resident ones in place, offloaded blocks in their tier."""
+        params = self.offload.params
+        offloaded = {id(p) for block in params.params for p in block} if params is not None else set()
+        names = {}
+        for name, p in self.model.named_parameters():
+            names[id(p)] = name
+            if id(p) not in offloaded:
+                p.copy_(values[name])
+        if params is not None:
+            store = self.offload.param_store
+            for chunk, block in zip(params.names, params.params):
+                flat = torch.cat([values[names[id(p)]].reshape(-1) for p in block])
+                store.write_slice(chunk, 0, flat.to(store.layout(chunk).dtype))
+
+    def state_views(self, *, writable: bool = False):
+        """The fp32 master weights and moments, per parameter and chunk (`StreamedAdamW.state_views`)."""
+        return self.offload.optimizer.state_views(writable=writable)
+
+    # ---- offload specifics ---------------------------------------------------------------------
 
     def report(self) -> dict:
         """Budget and paths, for logs and tests."""
@@ -212,6 +241,15 @@ class OffloadedAdamW:
         return {"policy": self.policy.to_dict(), "limit_bytes": budget.limit_bytes, "peak_bytes": budget.peak_bytes,
                 "resident_bytes": budget.resident_bytes, "which": self.offload.which,
                 "swap_dir": str(swap.path) if swap is not None else None}
+
+    def describe(self) -> str:
+        """One line for the log: tiers, which Adam and SSD paths run, the device budget, the swap directory."""
+        which, budget, swap = self.offload.which, self.offload.budget, self.offload.swap
+        tiers = ", ".join(f"{k}: {v}" for k, v in (("optimizer", self.policy.optimizer), ("params", self.policy.params),
+                                                    ("activations", self.policy.activations)))
+        limit = f"{budget.limit_bytes / 2**20:.1f} MiB" if budget.limit_bytes is not None else "unlimited"
+        return (f"offload {{{tiers}}}: adam {which['adam']}, ssd io {which.get('io', 'unused')}, device budget "
+                f"{limit}, swap {swap.path if swap is not None else 'none'}")
 
     def close(self) -> None:
         """Free the stores and delete the swap files (idempotent)."""
@@ -228,13 +266,6 @@ def activation_context(rt: StageRuntime) -> contextlib.AbstractContextManager:
     return tier_context(rt.stage.offload.activations, rt.device)
 
 
-def named_weights(rt: StageRuntime) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, value)` of every parameter of the stage, offloaded ones read back from their tier."""
-    if isinstance(rt.optimizer, OffloadedAdamW):
-        return rt.optimizer.named_weights()
-    return rt.model.named_parameters()
-
-
 def offload_report(rt: StageRuntime) -> dict | None:
     """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
     return rt.optimizer.report() if isinstance(rt.optimizer, OffloadedAdamW) else None
@@ -244,76 +275,3 @@ def close_offload(rt: StageRuntime) -> None:
     """Free the offload stores and delete the swap files (idempotent; call also when the step failed)."""
     if isinstance(rt.optimizer, OffloadedAdamW):
         rt.optimizer.close()
-
-
-# ---- before launch: swap space --------------------------------------------------------------------
-
-
-def swap_root(job: JobConfig) -> str:
-    """The directory under which SSD-tier ranks make their swap directories."""
-    from heteroflow.offload.policy import SWAP_DIR_ENV
-
-    if job.train.offload_dir:
-        return job.resolve_path(job.train.offload_dir)
-    return os.environ.get(SWAP_DIR_ENV) or tempfile.gettempdir()
-
-
-def swap_bytes(job: JobConfig, plan: PlanSpec) -> int:
-    """Swap file bytes every rank of `plan` writes together (an upper bound, alignment included)."""
-    from heteroflow.models.llama import build_stage_model
-    from heteroflow.offload.policy import OffloadPolicy
-
-    total = 0
-    for k, (stage, (first, last)) in enumerate(zip(plan.stages, plan.layer_ranges())):
-        off = stage.offload
-        if "ssd" not in (off.optimizer, off.params):
-            continue
-        with torch.device("meta"):
-            model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
-                                      is_last=k == len(plan.stages) - 1)
-        chunk = OffloadPolicy.__dataclass_fields__["chunk_numel"].default
-        replicated_kv = stage.tp > job.model.num_kv_heads
-        numel = 0  # on one rank: matrices split over tp (one extra row or column for an uneven vocabulary)
-        for name, p in model.named_parameters():
-            whole = stage.tp == 1 or p.dim() < 2 or (replicated_kv and name.endswith(("wk.weight", "wv.weight")))
-            numel += p.numel() if whole else -(-p.numel() // stage.tp) + max(p.shape)
-        block_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-        per_rank = 0
-        if off.optimizer == "ssd":  # fp32 master + 2 moments per chunk, each chunk file aligned
-            per_rank += 12 * numel + 8192 * (numel // chunk + last - first + 2)
-        if off.params == "ssd":  # tp is 1 here (checked): each block's parameters, aligned
-            per_rank += block_bytes + 8192 * (last - first)
-        total += per_rank * stage.num_devices
-    return total
-
-
-def check_swap_space(job: JobConfig, plan: PlanSpec) -> str | None:
-    """Before launch: the swap root can be created and has room for every rank's swap files; returns the
-    root (None when no stage uses the SSD tier). The ranks of the plan all run on this machine."""
-    from heteroflow.offload.swap import DEFAULT_HEADROOM_BYTES, check_not_checkpoint
-
-    needed = swap_bytes(job, plan)
-    if not needed:
-        return None
-    root = Path(swap_root(job))
-    check_not_checkpoint(root.resolve(), checkpoint_dirs(job))
-    existing = next((p for p in (root, *root.parents) if p.exists()), None)
-    if existing is None or not existing.is_dir():
-        raise UserError(f"offload swap directory {root}: {existing} is not a directory; set train.offload_dir "
-                        "to a directory on a local disk")
-    free = shutil.disk_usage(existing).free
-    if needed + DEFAULT_HEADROOM_BYTES > free:
-        where = "train.offload_dir" if job.train.offload_dir else "$HETEROFLOW_SWAP_DIR (or the system temp directory)"
-        raise UserError(f"not enough free disk space for offload swap files in {root}: the plan's ssd tiers need "
-                        f"{needed / 2**30:.2f} GiB ({needed} bytes) plus {DEFAULT_HEADROOM_BYTES / 2**30:.2f} GiB "
-                        f"headroom, but only {free / 2**30:.2f} GiB ({free} bytes) is free there; free space, point "
-                        f"{where} to a larger disk, or keep those stages' state on cpu")
-    return str(root)
-
-
-def sweep_swap(root: str | None) -> None:
-    """After the ranks have exited: remove swap directories left by ranks that were killed (SIGKILL)."""
-    from heteroflow.offload.swap import sweep_stale
-
-    if root is not None and os.path.isdir(root):
-        sweep_stale(Path(root))

@@ -89,15 +89,23 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.zero, 2),
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
-    shape = (plan.micro_batch_size, job.model.seq_length, job.model.hidden_size)
-    dtype = _DTYPES[t.precision]
-    prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtype, device=device.torch_device) if k > 0 else None
-    nxt = StageBoundary(groups, k, shape=shape, dtype=dtype, device=device.torch_device) if k < num_stages - 1 else None
-    tied_group = None
-    if job.model.tie_embeddings and num_stages > 1:
-        # Every rank creates the group (torch requires it); only the two end stages use it.
-        ends = sorted(set(rank_map.stages[0].ranks) | set(rank_map.stages[-1].ranks))
-        group = dist.new_group(ends, backend="gloo")
-        tied_group = group if k in (0, num_stages - 1) else None
+    try:  # the boundaries and groups below are collectives that may fail: never leave swap files behind
+        shape = (plan.micro_batch_size, job.model.seq_length, job.model.hidden_size)
+        dtype = _DTYPES[t.precision]
+        prev = nxt = None
+        if k > 0:
+            prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtype, device=device.torch_device)
+        if k < num_stages - 1:
+            nxt = StageBoundary(groups, k, shape=shape, dtype=dtype, device=device.torch_device)
+        tied_group = None
+        if job.model.tie_embeddings and num_stages > 1:
+            # Every rank creates the group (torch requires it); only the two end stages use it.
+            ends = sorted(set(rank_map.stages[0].ranks) | set(rank_map.stages[-1].ranks))
+            group = dist.new_group(ends, backend="gloo")
+            tied_group = group if k in (0, num_stages - 1) else None
+    except BaseException:
+        if isinstance(optimizer, OffloadedAdamW):
+            optimizer.close()
+        raise
     return StageRuntime(job=job, plan=plan, info=info, stage=stage, device=device, groups=groups, model=model,
                         optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group)

@@ -13,7 +13,8 @@ from pathlib import Path
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
 from heteroflow.runtime.launch import LaunchSpec, launch
-from heteroflow.runtime.offload_step import check_offload_plan, check_swap_space, sweep_swap
+from heteroflow.runtime.offload_step import check_offload_plan
+from heteroflow.runtime.offload_swap import check_swap_space, sweep_swap
 from heteroflow.runtime.worker import WorkerArgs, WorkerResult, run_worker
 
 
@@ -59,15 +60,17 @@ def choose_plan(job: JobConfig, plan_path: str | None) -> PlanSpec:
 
 
 def search_plan_or_fail(job: JobConfig) -> PlanSpec:
-    """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`: ZeRO 0-2,
-    no offload tiers yet), or a `UserError` when none fits."""
-    from heteroflow.config import OffloadSpec
+    """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`), or a
+    `UserError` when none fits."""
     try:
         from heteroflow.stagemap import SearchOptions, search_plan
     except ImportError:
         raise UserError("`plan: auto` needs the planner, but this build has no planner (heteroflow.stagemap); "
                         "write the plan in the job's `plan:` or pass --plan PLAN.yaml") from None
-    report = search_plan(job, options=SearchOptions(zero=(0, 1, 2), offload=(OffloadSpec(),)))
+    # What check_runnable lets through: ZeRO 0-2 and every offload tier, but optimizer state or parameters
+    # off the device only with ZeRO 0, and parameters off the device only with tp 1 (check_offload_stage).
+    options = SearchOptions(zero=(0, 1, 2), offload_zero=(0,), offload_params_max_tp=1)
+    report = search_plan(job, options=options)
     if not report.feasible:
         problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
         raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why:\n"

@@ -54,7 +54,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     """Train on this rank; every rank of the plan runs it at once."""
     from heteroflow.backends import RankMap, build_process_groups, init_world
     from heteroflow.devices.facade import Device
-    from heteroflow.runtime.offload_step import close_offload, named_weights, offload_report
+    from heteroflow.runtime.offload_step import close_offload, offload_report
     from heteroflow.runtime.stage import build_stage_runtime
 
     job, plan, train = args.job, args.plan, args.job.train
@@ -74,12 +74,16 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         args = replace(args, resume=True)
     init_from = job.resolve_path(train.init_from) if train.init_from else None
     rt = build_stage_runtime(job, plan, rank_map, groups, device=device, init_from=init_from)
+    if offload_report(rt) is not None and info.dp == 0 and info.tp == 0:  # once per stage: which paths run
+        print(f"heteroflow: stage {info.stage} {rt.optimizer.describe()}", flush=True)
     try:  # an offloaded stage's swap files go when this rank ends, also when it fails
         first_step, losses = _train_steps(args, rt, rank)
         state = None
         if args.return_state:
             from heteroflow.models.shard import shard_of
-            state = {name: (p.detach().cpu().clone(), shard_of(p)) for name, p in named_weights(rt)}
+            params = dict(rt.model.named_parameters())  # offloaded blocks are placeholders: values come from their tier
+            state = {name: (value.detach().cpu().clone(), shard_of(params[name]))
+                     for name, value in rt.optimizer.named_weights()}
         offload = offload_report(rt)
     finally:
         close_offload(rt)
