@@ -270,7 +270,9 @@ def main(argv: list[str]) -> None:
           f"{med_cpu['heteroflow']:.2f}, DeepSpeed {med_cpu['deepspeed']:.2f} ({med_cpu['heteroflow'] / med_cpu['deepspeed']:.2f}x)")
     ratio = med["heteroflow"] / med["deepspeed"]
     print(f"ratio heteroflow / DeepSpeed: {ratio:.2f}x (goal <= 1.0x: {'met' if ratio <= 1.0 else 'NOT met'})")
-    print(f"total time {time.time() - started:.0f} s")
+    load = os.getloadavg()
+    print(f"total time {time.time() - started:.0f} s; load average at the end: {load[0]:.2f}, {load[1]:.2f}, "
+          f"{load[2]:.2f}")
 
 
 if __name__ == "__main__":
