@@ -36,7 +36,7 @@ CLUSTER = {
 MODEL = {"preset": "micro-llama", "num_layers": 5, "tie_embeddings": True}
 TRAIN = {"global_batch_size": 8, "micro_batch_size": 4, "precision": "fp32", "steps": STEPS, "lr": 3e-3,
          "min_lr": 3e-4, "warmup_steps": 2, "weight_decay": 0.1, "grad_clip": 0.5}
-OFFLOAD = {  # per stage: (tp 2 on NVIDIA, dp 2 on the small cards); between them every tier is used
+OFFLOAD = {  # per stage: (tp 2 + sp on NVIDIA, dp 2 on the small cards); between them every tier is used
     "A": [{"optimizer": "ssd"}, {"optimizer": "cpu", "params": "ssd", "activations": "cpu"}],
     "B": [{"optimizer": "cpu"}, {"optimizer": "ssd", "params": "cpu", "activations": "cpu"}],
     "none": [{}, {}],
@@ -44,9 +44,9 @@ OFFLOAD = {  # per stage: (tp 2 on NVIDIA, dp 2 on the small cards); between the
 
 
 def two_stage_plan(variant: str) -> dict:
-    """4 ranks: 3 blocks with tp 2 on NVIDIA, 2 blocks with dp 2 and full recompute on the small cards; the tied
-    embedding spans both stages."""
-    stages = [{"devices": ["gpu-0"], "layers": 3, "tp": 2, "dp": 1},
+    """4 ranks: 3 blocks with tp 2 and sp on NVIDIA, 2 blocks with dp 2 and full recompute on the small cards;
+    the tied embedding spans both stages."""
+    stages = [{"devices": ["gpu-0"], "layers": 3, "tp": 2, "dp": 1, "sp": True},
               {"devices": ["small-0"], "layers": 2, "tp": 1, "dp": 2, "recompute": "full"}]
     stages = [{**stage, "offload": tiers} if tiers else stage for stage, tiers in zip(stages, OFFLOAD[variant])]
     return {"schedule": "1f1b", "micro_batch_size": 4, "stages": stages}
