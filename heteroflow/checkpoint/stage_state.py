@@ -12,7 +12,12 @@ What each rank writes (so every value is stored exactly once):
     (same values, same gradients, same optimizer state), and is read back from it.
 
 Loading reads, for each local shard or ZeRO range of the new layout, exactly its boxes from whatever
-pieces cover them. Any optimizer with `state_views()` and `steps` (as `DataParallelAdamW`) works.
+pieces cover them.
+
+The optimizer provides `zero`, `steps`, `state_views(writable=...)`, `named_weights()` and
+`load_weights(values)`: `DataParallelAdamW`, and `OffloadedAdamW`, whose parameters and state may live in
+CPU memory or on SSD (its state views are copies, and with `writable=True` what is written into them is
+stored back in the offload tier).
 """
 
 from __future__ import annotations
@@ -61,11 +66,12 @@ def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> 
     pieces = []
     stored = {id(param): (name, shard) for name, param, shard in _stored_params(model, tp_rank)}
     if dp_rank == 0:
+        values = dict(optimizer.named_weights() if optimizer is not None else model.named_parameters())
         for name, param, shard in _stored_params(model, tp_rank):
-            pieces.append(Piece("param", name, shard.full_shape, shard_box(shard), param.detach()))
+            pieces.append(Piece("param", name, shard.full_shape, shard_box(shard), values[name].detach()))
     if optimizer is None or not (optimizer.zero or dp_rank == 0):
         return pieces  # without ZeRO every dp rank keeps the same state: dp rank 0 writes it
-    for param, start, stop, views in optimizer.state_views():
+    for param, start, stop, views in optimizer.state_views(writable=False):
         if id(param) not in stored:
             continue
         name, shard = stored[id(param)]
@@ -79,16 +85,19 @@ def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> 
 def load_stage(model: nn.Module, optimizer, reader: CheckpointReader, *, optimizer_steps: int) -> None:
     """Fill the model shard and the optimizer state this rank holds from a checkpoint (any layout)."""
     tied = getattr(model, "spec", None) is not None and model.spec.tie_embeddings
-    names = {}
+    names, values = {}, {}
     for name, param in model.named_parameters():
         stored = canonical_name(name, tie_embeddings=tied)
         shard = shard_of(param)
         names[id(param)] = (stored, shard)
-        value = reader.read("param", stored, shard_box(shard), shape=shard.full_shape, dtype=param.dtype)
-        param.copy_(value.view(param.shape))
+        values[name] = reader.read("param", stored, shard_box(shard), shape=shard.full_shape,
+                                   dtype=param.dtype).view(shard.local_shape)
     if optimizer is None:
+        for name, param in model.named_parameters():
+            param.copy_(values[name])
         return
-    for param, start, stop, views in optimizer.state_views():
+    optimizer.load_weights(values)
+    for param, start, stop, views in optimizer.state_views(writable=True):
         stored, shard = names[id(param)]
         for a, b, box in _zero_boxes(shard, start, stop):
             for kind in OPTIMIZER_KINDS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from heteroflow.config.device import PRECISIONS
@@ -67,6 +68,9 @@ class TrainSpec:
     """A Hugging Face-format Llama/Qwen2 checkpoint directory to start from."""
     checkpoint: CheckpointSpec | None = None
     """Periodic checkpoints; None writes none."""
+    offload_dir: str | None = None
+    """Where stages with an `ssd` offload tier keep their scratch swap files (resolved relative to the job
+    file; never inside `checkpoint.dir`); None: `$HETEROFLOW_SWAP_DIR`, else the system temp directory."""
 
     def to_dict(self) -> dict:
         """Plain data in the job YAML's schema (unset optional sections left out)."""
@@ -85,6 +89,7 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
         "seed": sec.integer("seed", d["seed"].default, minimum=0),
         "warmup_steps": sec.integer("warmup_steps", d["warmup_steps"].default, minimum=0),
         "init_from": sec.string("init_from", None),
+        "offload_dir": sec.string("offload_dir", None),
     }
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "adam_beta1", "adam_beta2", "adam_eps"):
         must_be_positive = name in ("lr", "adam_eps")
@@ -115,12 +120,25 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
     if gbs is not None and mbs is not None and gbs % mbs:
         problems.add(sec.at("global_batch_size"), f"{gbs} is not divisible by micro_batch_size {mbs}")
         return None
-    optional = ("init_from", "data", "checkpoint")
+    offload_dir, ckpt = values["offload_dir"], values["checkpoint"]
+    if offload_dir is not None and ckpt is not None and _inside(offload_dir, ckpt.dir):
+        problems.add(sec.at("offload_dir"), f"{offload_dir!r} is inside train.checkpoint.dir {ckpt.dir!r}; swap files "
+                     "are scratch and must never mix with checkpoints: choose a directory outside it")
+        return None
+    optional = ("init_from", "data", "checkpoint", "offload_dir")
     if not sec.valid or any(v is None for k, v in values.items() if k not in optional):
         return None
     if (data_sec is not None and values["data"] is None) or (ckpt_sec is not None and values["checkpoint"] is None):
         return None
     return TrainSpec(**values)
+
+
+def _inside(path: str, directory: str) -> bool:
+    """Whether `path` is `directory` or below it, as written (both relative to the job file, or both absolute)."""
+    path, directory = os.path.normpath(os.path.expanduser(path)), os.path.normpath(os.path.expanduser(directory))
+    if os.path.isabs(path) != os.path.isabs(directory):
+        return False  # decided when the run resolves both against the job file (offload.swap.SwapDir)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep) or directory == "."
 
 
 def _build(cls, sec: Section, **values):

@@ -206,10 +206,11 @@ class DataParallelAdamW:
         for s in self.segments:
             s.param.grad = None
 
-    def state_views(self):
+    def state_views(self, *, writable: bool = False):
         """For checkpoints: per parameter, the part of its fp32 state this rank keeps, as
         `(param, start, stop, {"master": t, "exp_avg": t, "exp_avg_sq": t})`; `[start, stop)` indexes the
-        flattened local parameter and each `t` is a writable 1-D view of that range of the state."""
+        flattened local parameter and each `t` is a 1-D view of that range of the state. The views are the
+        state itself, so `writable` (asked for when loading; `OffloadedAdamW` needs it) changes nothing here."""
         for s in self.segments:
             part = self._owned(s)
             if part is not None:
@@ -217,6 +218,16 @@ class DataParallelAdamW:
                 start = a + self.lo - s.offset
                 yield s.param, start, start + b - a, {"master": self.master[a:b], "exp_avg": self.exp_avg[a:b],
                                                       "exp_avg_sq": self.exp_avg_sq[a:b]}
+
+    def named_weights(self):
+        """For checkpoints: `(name, tensor)` of every parameter's current value (the model's own tensors)."""
+        return self.model.named_parameters()
+
+    @torch.no_grad()
+    def load_weights(self, values: dict[str, torch.Tensor]) -> None:
+        """For checkpoints: set every parameter to `values[name]` (shaped like the local shard)."""
+        for name, param in self.model.named_parameters():
+            param.copy_(values[name])
 
     @torch.no_grad()
     def reload_from_model(self) -> None:

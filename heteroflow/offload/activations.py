@@ -4,10 +4,9 @@
 (not parameters: those have their own tier and are fetched again for backward) is copied into a
 pinned host buffer when saved and back to the device when backward needs it; the copies are exact.
 
-With full recompute, wrap each block in `torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)`
-inside the context: the reentrant form saves the block input through autograd, so exactly the
-checkpointed activations go to the CPU. (The non-reentrant form keeps its inputs in a closure, out of
-reach of these hooks, so they would stay on the device.)
+With full recompute (`torch.utils.checkpoint.checkpoint`, either form) the checkpointed block's inputs
+are saved through autograd under these hooks while the tensors inside the block go to checkpoint's own
+hooks, so exactly the checkpointed activations go to the CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +64,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             if isinstance(saved, _HostCopy):
                 return saved.tensor.to(saved.device, non_blocking=pin)
             return saved  # type: ignore[return-value]
+
+        pack.chains_param_views = True  # OffloadedParams may put its parameter-view hook on top of this one
 
         super().__init__(pack, unpack)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.optim.adamw import adamw as torch_adamw
@@ -70,12 +70,14 @@ class StreamedAdamW:
     `params`: group name -> the model's tensors of that group, in a fixed order; their initial values
     seed the fp32 master weights. Updated values go to the parameter-store chunk of the same name when
     `param_store` has one (parameters offloaded by `OffloadedParams`), else to those tensors in place.
+    `decays(tensor)` says which parameters weight decay applies to (None: all, like one torch param group);
+    the runtime passes "matrices only", as Megatron-LM and its reference do.
     """
 
     def __init__(self, params: Mapping[str, Sequence[torch.Tensor]], *, store: TieredStore, tier: str,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, param_store: TieredStore | None = None,
-                 impl: str | None = None) -> None:
+                 impl: str | None = None, decays: Callable[[torch.Tensor], bool] | None = None) -> None:
         assert tier in ("device", "cpu", "ssd"), tier
         assert chunk_numel % 4096 == 0, "chunks must stay I/O-aligned in the parameter tier"
         self.store, self.tier, self.param_store = store, tier, param_store
@@ -84,6 +86,8 @@ class StreamedAdamW:
         self.groups = {g: list(ts) for g, ts in params.items()}
         self._shapes = {g: [t.shape for t in ts] for g, ts in self.groups.items()}
         self._offsets = {g: _offsets(ts) for g, ts in self.groups.items()}
+        # Per parameter, decided once from the initial tensors (offloaded ones later become placeholders).
+        self._decays = {g: [decays is None or bool(decays(t)) for t in ts] for g, ts in self.groups.items()}
         self._pieces: list[_Piece] = []
         host = store.device if tier != "device" else None
         self._grads: dict[str, torch.Tensor] = {}
@@ -142,6 +146,15 @@ class StreamedAdamW:
                 dst.add_(grad.detach().reshape(-1).to(dst.device, torch.float32))
         self._fresh[group] = False
 
+    def flat_grads(self) -> dict[str, torch.Tensor]:
+        """Every group's accumulated fp32 gradient buffer (zeros where no gradient arrived), by group, for
+        in-place work before `step` such as summing over data-parallel replicas."""
+        for group, fresh in self._fresh.items():
+            if fresh:
+                self._grads[group].zero_()
+                self._fresh[group] = False
+        return dict(self._grads)
+
     def grad_views(self, group: str) -> list[torch.Tensor]:
         """The accumulated fp32 gradients of `group`, shaped like its params."""
         flat = self._grads[group]
@@ -195,21 +208,27 @@ class StreamedAdamW:
                 lr: float) -> None:
         grads = self._grads[piece.group]
         segments = []
-        for start, end in self._offsets[piece.group]:  # one update per parameter, as torch.optim.AdamW does
+        # One update per parameter, as torch.optim.AdamW does.
+        for (start, end), decay in zip(self._offsets[piece.group], self._decays[piece.group]):
             lo, hi = max(start, piece.start), min(end, piece.start + piece.numel)
             if lo < hi:
-                segments.append((lo - piece.start, hi - piece.start, lo))
-        views = [(master[a:b], grads[g:g + b - a], exp_avg[a:b], exp_avg_sq[a:b]) for a, b, g in segments]
+                segments.append((lo - piece.start, hi - piece.start, lo, decay))
+        views = [(master[a:b], grads[g:g + b - a], exp_avg[a:b], exp_avg_sq[a:b], d) for a, b, g, d in segments]
         if self._ds is not None:
-            for p, g, m, v in views:
+            for p, g, m, v, decay in views:
                 self._ds.adam_update(self._opt_id, self.step_count, lr, self.betas[0], self.betas[1], self.eps,
-                                     self.weight_decay, True, p, g, m, v)
+                                     self.weight_decay if decay else 0.0, True, p, g, m, v)
             return
-        steps = [torch.tensor(float(self.step_count - 1)) for _ in views]  # adamw increments each
-        torch_adamw([v[0] for v in views], [v[1] for v in views], [v[2] for v in views], [v[3] for v in views],
-                    [], steps, foreach=False, fused=False, capturable=False, differentiable=False,
-                    grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=self.betas[0],
-                    beta2=self.betas[1], lr=lr, weight_decay=self.weight_decay, eps=self.eps, maximize=False)
+        for decay in (True, False):
+            part = [v for v in views if v[4] == decay]
+            if not part:
+                continue
+            steps = [torch.tensor(float(self.step_count - 1)) for _ in part]  # adamw increments each
+            torch_adamw([v[0] for v in part], [v[1] for v in part], [v[2] for v in part], [v[3] for v in part],
+                        [], steps, foreach=False, fused=False, capturable=False, differentiable=False,
+                        grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=self.betas[0],
+                        beta2=self.betas[1], lr=lr, weight_decay=self.weight_decay if decay else 0.0,
+                        eps=self.eps, maximize=False)
 
     def _emit(self, piece: _Piece, master: torch.Tensor) -> None:
         """Send the piece's updated values to the model's tensors or to the parameter tier."""
@@ -238,6 +257,32 @@ class StreamedAdamW:
             flat = torch.cat(pieces)
             out[key] = [flat[s:e].view(shape) for (s, e), shape in zip(self._offsets[group], self._shapes[group])]
         return out
+
+    def state_views(self, *, writable: bool = False) -> Iterator[tuple[torch.Tensor, int, int, dict]]:
+        """For checkpoints, chunk by chunk: per parameter, `(param, start, stop, {"master": t, "exp_avg": t,
+        "exp_avg_sq": t})`, `[start, stop)` a range of the flattened parameter (as `DataParallelAdamW.state_views`).
+
+        Without `writable` each `t` is a copy, kept valid after the chunk is released (saving); with it, a view
+        of the borrowed chunk, stored back in its tier when the caller asks for the next one (loading).
+        """
+        for k, piece in enumerate(self._pieces):
+            if self.tier != "device" and k + 1 < len(self._pieces):
+                self.store.prefetch(self._pieces[k + 1].name, to="host")
+            state = self.store.get(piece.name) if self.tier == "device" else self.store.host(piece.name)
+            try:
+                parts = state.view(3, piece.numel)
+                parts = parts if writable else parts.clone()
+                kinds = dict(zip(("master", "exp_avg", "exp_avg_sq"), parts.unbind(0)))
+                for tensor, (start, end) in zip(self.groups[piece.group], self._offsets[piece.group]):
+                    lo, hi = max(start, piece.start), min(end, piece.start + piece.numel)
+                    if lo < hi:
+                        a, b = lo - piece.start, hi - piece.start
+                        yield tensor, lo - start, hi - start, {kind: t[a:b] for kind, t in kinds.items()}
+                if writable:
+                    self.store.write_back(piece.name)
+            finally:
+                if self.tier != "device":
+                    self.store.release(piece.name)
 
     def close(self) -> None:
         """Free the DeepSpeed optimizer object and device gradient buffers (the store is the caller's)."""

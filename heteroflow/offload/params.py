@@ -13,6 +13,13 @@ Activation recompute (`torch.utils.checkpoint`, non-reentrant) works: a forward 
 pass prefetches towards the input and leaves the release to the gradient hooks. Swapping a
 parameter's `.data` keeps the autograd variable (and its version counter), as ZeRO-3 does.
 
+Autograd may save *views* of a parameter's data for backward (`F.linear` saves `weight.t()`), and a
+view keeps the fetched copy it was taken from alive until backward: the whole stack's parameters would
+stay on the device, unaccounted. So while a block's forward runs (outside recompute), a saved-tensor
+hook stores such views as (block, offset, size, stride) and rebuilds them from the block's copy fetched
+for backward; other saved tensors go to the hooks around it (e.g. the CPU activation tier). DeepSpeed's
+ZeRO-3 solves the same problem by replacing `F.linear` with its own autograd function.
+
 Build the blocks on the CPU (or block by block) before handing them over: a model built whole on
 the device has already exceeded a budget this exists to honour.
 """
@@ -20,6 +27,7 @@ the device has already exceeded a budget this exists to honour.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -51,6 +59,8 @@ class OffloadedParams:
         self._waiting: dict[int, set[int]] = {}  # block -> ids of params still owed a gradient
         self._grad_bytes: dict[int, int] = {}  # id(param) -> gradient bytes charged to the budget
         self._callback_queued = False
+        self._flats: dict[int, torch.Tensor] = {}  # block -> its fetched flat copy
+        self._views_pushed: list[int] = []  # blocks whose forward has the saved-view hook active
         self._handles: list = []
         device = store.device.torch_device
         for i, (block, params) in enumerate(zip(blocks, self.params)):
@@ -59,7 +69,8 @@ class OffloadedParams:
                 p.data = torch.empty(0, dtype=p.dtype, device=device)  # placeholder between uses
             self._handles += [
                 block.register_forward_pre_hook(functools.partial(self._pre_forward, i)),
-                block.register_forward_hook(functools.partial(self._post_forward, i)),
+                # always_call: the saved-view hook must come off the stack also when the forward raises
+                block.register_forward_hook(functools.partial(self._post_forward, i), always_call=True),
                 block.register_full_backward_pre_hook(functools.partial(self._pre_backward, i)),
             ]
             for p in params:
@@ -74,10 +85,44 @@ class OffloadedParams:
             j = i - 1 if _in_backward() else i + 1  # a recompute inside backward walks towards the input
             if 0 <= j < len(self.params) and j not in self._fetched:
                 self.store.prefetch(self.names[j])
+        # A recompute's views are of the copy backward uses: nothing to redirect then.
+        if not _in_backward() and self._push_view_hooks(i):
+            self._views_pushed.append(i)
 
     def _post_forward(self, i: int, module: nn.Module, args: object, output: object) -> None:
+        if self._views_pushed and self._views_pushed[-1] == i:
+            self._views_pushed.pop()
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         if not _in_backward():  # during a recompute, backward needs the block next: the grad hooks release it
             self.release(i)
+
+    def _push_view_hooks(self, i: int) -> bool:
+        """Saved views of block i's parameter data are stored by position; the rest go to the outer hooks."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+        if outer_pack is not None and not getattr(outer_pack, "chains_param_views", False):
+            # Another hook owns what is saved here (a checkpoint region recomputes instead of saving):
+            # leave every tensor to it, as it would see them without offload.
+            return False
+        flat = self._flats[i]
+        # Only plain values in the closures: every saved tensor holds on to them until backward.
+        storage, base, dtype, device = flat.untyped_storage().data_ptr(), flat.storage_offset(), flat.dtype, flat.device
+
+        def pack(tensor: torch.Tensor) -> object:
+            if (not isinstance(tensor, nn.Parameter) and tensor.dtype == dtype and tensor.device == device
+                    and tensor.untyped_storage().data_ptr() == storage):
+                return _ParamView(i, tensor.storage_offset() - base, tuple(tensor.shape), tuple(tensor.stride()))
+            return outer_pack(tensor) if outer_pack is not None else tensor
+
+        def unpack(saved: object) -> torch.Tensor:
+            if isinstance(saved, _ParamView):
+                self.fetch(saved.block)  # the backward pre-hook has fetched it already
+                current = self._flats[saved.block]
+                return current.as_strided(saved.shape, saved.stride, current.storage_offset() + saved.offset)
+            return outer_unpack(saved) if outer_unpack is not None else saved  # type: ignore[return-value]
+
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        return True
 
     def _pre_backward(self, i: int, module: nn.Module, grad_output: object) -> None:
         if not self._callback_queued:
@@ -115,6 +160,7 @@ class OffloadedParams:
         flat = self.store.get(self.names[i])
         for p, view in zip(self.params[i], self.store.unflatten(self.names[i], flat)):
             p.data = view
+        self._flats[i] = flat
         self._fetched.add(i)
 
     def release(self, i: int) -> None:
@@ -123,6 +169,7 @@ class OffloadedParams:
             return
         for p in self.params[i]:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._flats.pop(i, None)
         self.store.release(self.names[i])
         self._fetched.discard(i)
 
@@ -153,6 +200,16 @@ class OffloadedParams:
         self._handles.clear()
         for i in sorted(self._fetched):
             self.release(i)
+
+
+@dataclass(frozen=True, slots=True)
+class _ParamView:
+    """A saved view of block `block`'s parameter data, by position in the block's flat chunk."""
+
+    block: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
 
 def _in_backward() -> bool:

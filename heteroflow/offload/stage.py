@@ -12,6 +12,8 @@
         offload.step(lr)                                   # streamed AdamW; parameters updated in place / in their tier
     offload.close()                                        # also on failure: use it as a context manager
 
+`decays(param)` picks the parameters weight decay applies to (default: all).
+
 Groups: block i is `block{i}` (parameters in `block.parameters()` order), then each `other_params`
 group in the order given. Use the same order for a reference optimizer to compare bit for bit.
 """
@@ -19,7 +21,7 @@ group in the order given. Use the same order for a reference optimizer to compar
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -41,7 +43,7 @@ class StageOffload:
                  other_params: Mapping[str, Sequence[nn.Parameter]] | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  checkpoint_dirs: Iterable[str] = (), adam_impl: str | None = None,
-                 budget: DeviceBudget | None = None) -> None:
+                 budget: DeviceBudget | None = None, decays: Callable[[torch.Tensor], bool] | None = None) -> None:
         self.policy, self.device = policy, device
         self.budget = budget if budget is not None else DeviceBudget(policy.device_budget_bytes)
         self.blocks = list(blocks)
@@ -72,7 +74,7 @@ class StageOffload:
             self._charged = resident_bytes
             self.optimizer = StreamedAdamW(groups, store=self.opt_store, tier=policy.optimizer, betas=betas, eps=eps,
                                            weight_decay=weight_decay, chunk_numel=policy.chunk_numel,
-                                           param_store=self.param_store, impl=adam_impl)
+                                           param_store=self.param_store, impl=adam_impl, decays=decays)
             if policy.params != "device":
                 self.params = OffloadedParams(blocks, store=self.param_store, tier=policy.params,
                                               names=self.block_names,

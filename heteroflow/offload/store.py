@@ -11,7 +11,10 @@ Its *home* tier holds the authoritative copy; callers borrow a working copy:
 
 SSD traffic goes through a bounded pool of `max_in_flight` aligned, page-locked staging buffers: at
 most that many reads and writes are outstanding, and a new transfer first waits for the oldest write.
-Device copies are charged to the `DeviceBudget` before they are allocated. The store is driven from
+Device copies are charged to the `DeviceBudget` before they are allocated. On a CPU device (a `cpu`
+node, or an emulated rank) the device computes on host memory, so its "copy" of a chunk is the host
+copy itself (the cpu-tier home, or the staging buffer an SSD read landed in, kept until `release`):
+still charged to the budget, but never allocated and copied again. The store is driven from
 one thread at a time (the training thread, or autograd's thread during backward).
 """
 
@@ -91,10 +94,15 @@ class _DeviceCopy:
 
 
 class TieredStore:
-    """Chunks on device / cpu / ssd with bounded asynchronous staging; see the module docstring."""
+    """Chunks on device / cpu / ssd with bounded asynchronous staging; see the module docstring.
+
+    `device_copies`: whether a chunk borrowed on the device is a separate allocation (None: yes, except on
+    a CPU device).
+    """
 
     def __init__(self, *, device: Device, budget: DeviceBudget | None = None, swap: SwapDir | None = None,
-                 engine: IOEngine | None = None, max_in_flight: int = 2, buffer_bytes: int = 0) -> None:
+                 engine: IOEngine | None = None, max_in_flight: int = 2, buffer_bytes: int = 0,
+                 device_copies: bool | None = None) -> None:
         assert max_in_flight >= 1
         self.device = device
         self.budget = budget if budget is not None else DeviceBudget(None)
@@ -103,6 +111,9 @@ class TieredStore:
         self.buffer_bytes = buffer_bytes
         self.stats = StoreStats()
         self._pin = device.kind != "cpu"
+        # Device copies are the host copies themselves on a CPU device (module docstring); tests may force
+        # separate copies there to exercise the accelerator path.
+        self._alias = device.kind == "cpu" if device_copies is None else not device_copies
         self._engine = engine
         self._own_engine = engine is None
         self._layouts: dict[str, ChunkLayout] = {}
@@ -181,7 +192,7 @@ class TieredStore:
             return
         if layout.tier == "ssd":
             self._stage(name)
-        elif to == "device":
+        elif to == "device" and not self._alias:
             self._to_device(name, self._homes[name])
 
     def get(self, name: str) -> torch.Tensor:
@@ -193,7 +204,12 @@ class TieredStore:
             if layout.tier == "ssd":
                 buf = self._stage(name)
                 self._finish(buf)
-                self._to_device(name, _typed(buf.data, layout), staging=buf)
+                if self._alias:  # the buffer stays staged (borrowed) until release
+                    self._borrow(name, _typed(buf.data, layout))
+                else:
+                    self._to_device(name, _typed(buf.data, layout), staging=buf)
+            elif self._alias:
+                self._borrow(name, self._homes[name])
             else:
                 self._to_device(name, self._homes[name])
         copy = self._dev[name]
@@ -233,10 +249,13 @@ class TieredStore:
             return
         copy = self._dev.get(name)
         if layout.tier == "cpu":
-            if copy is not None:
+            if copy is not None and copy.tensor is not self._homes[name]:
                 self._homes[name].copy_(copy.tensor)
             return
         buf = self._staged.pop(name, None)
+        if copy is not None and self._alias and buf is not None:
+            self._staged[name] = buf  # it is the borrowed device copy: write from another buffer
+            buf = None
         if copy is not None:
             if buf is None:
                 buf = self._acquire(layout.stored_bytes)
@@ -388,6 +407,12 @@ class TieredStore:
                     raise RuntimeError(f"all {self.max_in_flight} staging buffers hold borrowed chunks "
                                        f"{sorted(self._staged)}; release one before fetching another")
                 self._finish(min(writes, key=lambda b: b.seq))
+
+    def _borrow(self, name: str, host_flat: torch.Tensor) -> None:
+        """On a CPU device: lend the host copy itself as the device copy (charged, not copied)."""
+        layout, kind = self._layouts[name], self._kinds[name]
+        self.budget.charge(layout.nbytes, kind)
+        self._dev[name] = _DeviceCopy(host_flat, None, kind)
 
     def _to_device(self, name: str, host_flat: torch.Tensor, staging: _Buffer | None = None) -> None:
         """Copy a host flat tensor to a new device tensor (charged to the budget first)."""

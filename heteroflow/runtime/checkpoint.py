@@ -85,10 +85,6 @@ class TrainCheckpoints:
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.last_saved: int | None = None
         self.scratch_id = "0"
-        if self.spec is not None and not hasattr(rt.optimizer, "state_views"):
-            raise UserError(f"train.checkpoint: the optimizer of stage {rt.info.stage} "
-                            f"({type(rt.optimizer).__name__}) cannot be checkpointed yet; remove train.checkpoint "
-                            "or the stage's offload settings")
         if self.spec is not None:  # one id for this run's temporary directories, the same on every rank
             pick = torch.tensor([secrets.randbits(40) if self.rank == 0 else 0], dtype=torch.int64)
             dist.broadcast(pick, src=dist.get_global_rank(self.group, 0), group=self.group)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from heteroflow.backends import StageBoundary
+from heteroflow.runtime.offload_step import activation_context
 from heteroflow.runtime.schedule import FORWARD, stage_actions
 from heteroflow.runtime.stage import StageRuntime
 
@@ -108,7 +109,7 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             else:
                 x = activations.take().requires_grad_()
             inputs[m] = x
-            with autocast:
+            with autocast, activation_context(rt):
                 if rt.is_last:
                     out = rt.model(x, labels=micro_batches[m].labels.to(rt.device.torch_device))
                     loss_sum += out.detach().float().cpu()

@@ -15,6 +15,7 @@ from heteroflow.models.data_parallel import DataParallelAdamW
 from heteroflow.models.init import init_weights, materialize
 from heteroflow.models.llama import StageModel, build_stage_model
 from heteroflow.models.parallelize import parallelize_stage
+from heteroflow.runtime.offload_step import OffloadedAdamW, offloads_state
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,7 +31,8 @@ class StageRuntime:
     device: Device
     groups: ProcessGroups
     model: StageModel
-    optimizer: DataParallelAdamW
+    optimizer: DataParallelAdamW | OffloadedAdamW
+    """`OffloadedAdamW` when the stage's plan offloads optimizer state or parameters."""
     prev: StageBoundary | None
     """Boundary from the previous stage (None on the first stage)."""
     next: StageBoundary | None
@@ -73,24 +75,37 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                   is_last=k == num_stages - 1)
     parallelize_stage(model, layout=stage, tp_group=groups.tp)
-    materialize(model, device.torch_device)
+    # Offloaded blocks go to their tier from the host: the device never holds the whole stage.
+    materialize(model, "cpu" if stage.offload.params != "device" else device.torch_device)
     if init_from is not None:
         from heteroflow.models.hf_checkpoint import load_hf_weights
         load_hf_weights(model, init_from, job_spec=job.model)
     else:
         init_weights(model, seed=job.train.seed)
     t = job.train
-    optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.zero, 2),
-                                  betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
-    shape = (plan.micro_batch_size, job.model.seq_length, job.model.hidden_size)
-    dtype = _DTYPES[t.precision]
-    prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtype, device=device.torch_device) if k > 0 else None
-    nxt = StageBoundary(groups, k, shape=shape, dtype=dtype, device=device.torch_device) if k < num_stages - 1 else None
-    tied_group = None
-    if job.model.tie_embeddings and num_stages > 1:
-        # Every rank creates the group (torch requires it); only the two end stages use it.
-        ends = sorted(set(rank_map.stages[0].ranks) | set(rank_map.stages[-1].ranks))
-        group = dist.new_group(ends, backend="gloo")
-        tied_group = group if k in (0, num_stages - 1) else None
+    if offloads_state(stage):
+        optimizer = OffloadedAdamW.for_stage(model, job=job, stage=stage, stage_index=k, groups=groups, device=device)
+    else:
+        optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.zero, 2),
+                                      betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                      weight_decay=t.weight_decay)
+    try:  # the boundaries and groups below are collectives that may fail: never leave swap files behind
+        shape = (plan.micro_batch_size, job.model.seq_length, job.model.hidden_size)
+        dtype = _DTYPES[t.precision]
+        prev = nxt = None
+        if k > 0:
+            prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtype, device=device.torch_device)
+        if k < num_stages - 1:
+            nxt = StageBoundary(groups, k, shape=shape, dtype=dtype, device=device.torch_device)
+        tied_group = None
+        if job.model.tie_embeddings and num_stages > 1:
+            # Every rank creates the group (torch requires it); only the two end stages use it.
+            ends = sorted(set(rank_map.stages[0].ranks) | set(rank_map.stages[-1].ranks))
+            group = dist.new_group(ends, backend="gloo")
+            tied_group = group if k in (0, num_stages - 1) else None
+    except BaseException:
+        if isinstance(optimizer, OffloadedAdamW):
+            optimizer.close()
+        raise
     return StageRuntime(job=job, plan=plan, info=info, stage=stage, device=device, groups=groups, model=model,
                         optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group)

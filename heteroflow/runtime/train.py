@@ -13,6 +13,8 @@ from pathlib import Path
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
 from heteroflow.runtime.launch import LaunchSpec, launch
+from heteroflow.runtime.offload_step import check_offload_plan
+from heteroflow.runtime.offload_swap import check_swap_space, sweep_swap
 from heteroflow.runtime.worker import WorkerArgs, WorkerResult, run_worker
 
 
@@ -58,15 +60,17 @@ def choose_plan(job: JobConfig, plan_path: str | None) -> PlanSpec:
 
 
 def search_plan_or_fail(job: JobConfig) -> PlanSpec:
-    """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`: ZeRO 0-2,
-    no offload tiers yet), or a `UserError` when none fits."""
-    from heteroflow.config import OffloadSpec
+    """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`), or a
+    `UserError` when none fits."""
     try:
         from heteroflow.stagemap import SearchOptions, search_plan
     except ImportError:
         raise UserError("`plan: auto` needs the planner, but this build has no planner (heteroflow.stagemap); "
                         "write the plan in the job's `plan:` or pass --plan PLAN.yaml") from None
-    report = search_plan(job, options=SearchOptions(zero=(0, 1, 2), offload=(OffloadSpec(),)))
+    # What check_runnable lets through: ZeRO 0-2 and every offload tier, but optimizer state or parameters
+    # off the device only with ZeRO 0, and parameters off the device only with tp 1 (check_offload_stage).
+    options = SearchOptions(zero=(0, 1, 2), offload_zero=(0,), offload_params_max_tp=1)
+    report = search_plan(job, options=options)
     if not report.feasible:
         problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
         raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why:\n"
@@ -105,8 +109,7 @@ def check_runnable(plan: PlanSpec) -> None:
     if any(stage.cp != 1 for stage in plan.stages):
         raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
                         "use cp: 1")
-    if any(stage.offload.any for stage in plan.stages):
-        raise UserError("offload tiers are not run by the runtime yet; remove the stages' offload settings")
+    check_offload_plan(plan)
     if any(stage.zero == 3 for stage in plan.stages):
         raise UserError("ZeRO-3 is not run by the runtime yet; use zero: 0, 1 or 2")
 
@@ -137,13 +140,18 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     resume_note = prepare_resume(job, resume=options.resume)
     if resume_note:
         print(f"heteroflow: {resume_note}", flush=True)
-    if options.node is not None or options.rdzv is not None:
-        from heteroflow.runtime.multinode import run_node
-        return run_node(job, plan, options)
-    if not options.emulate:
-        check_local_devices(job, plan)
-    args = worker_args(job, plan, options)
-    print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
-          f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {args.steps} steps", flush=True)
-    spec = LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir, max_restarts=options.max_restarts)
-    return launch(spec, run_worker, args)
+    # The ranks on this machine (all of them, or this node's) put their swap files under one root.
+    swap_root = check_swap_space(job, plan, node=options.node)
+    try:
+        if options.node is not None or options.rdzv is not None:
+            from heteroflow.runtime.multinode import run_node
+            return run_node(job, plan, options)
+        if not options.emulate:
+            check_local_devices(job, plan)
+        args = worker_args(job, plan, options)
+        print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
+              f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {args.steps} steps", flush=True)
+        spec = LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir, max_restarts=options.max_restarts)
+        return launch(spec, run_worker, args)
+    finally:
+        sweep_swap(swap_root)  # swap directories of ranks killed before they could remove their own

@@ -46,17 +46,15 @@ class WorkerResult:
     state: dict | None
     first_step: int = 0
     """The step `losses[0]` belongs to (the checkpoint's step when resumed)."""
+    offload: dict | None = None
+    """This rank's offload report (device budget limit and peak, swap directory), if its stage offloads."""
 
 
 def run_worker(args: WorkerArgs) -> WorkerResult:
     """Train on this rank; every rank of the plan runs it at once."""
     from heteroflow.backends import RankMap, build_process_groups, init_world
-    from heteroflow.data.builtin import open_train_data
-    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
     from heteroflow.devices.facade import Device
-    from heteroflow.runtime.checkpoint import TrainCheckpoints
-    from heteroflow.runtime.lr import learning_rate
-    from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
+    from heteroflow.runtime.offload_step import close_offload, offload_report
     from heteroflow.runtime.stage import build_stage_runtime
 
     job, plan, train = args.job, args.plan, args.job.train
@@ -76,6 +74,39 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         args = replace(args, resume=True)
     init_from = job.resolve_path(train.init_from) if train.init_from else None
     rt = build_stage_runtime(job, plan, rank_map, groups, device=device, init_from=init_from)
+    if offload_report(rt) is not None and info.dp == 0 and info.tp == 0:  # once per stage: which paths run
+        print(f"heteroflow: stage {info.stage} {rt.optimizer.describe()}", flush=True)
+    try:  # an offloaded stage's swap files go when this rank ends, also when it fails
+        first_step, losses = _train_steps(args, rt, rank)
+        state = None
+        if args.return_state:
+            from heteroflow.models.shard import shard_of
+            params = dict(rt.model.named_parameters())  # offloaded blocks are placeholders: values come from their tier
+            state = {name: (value.detach().cpu().clone(), shard_of(params[name]))
+                     for name, value in rt.optimizer.named_weights()}
+        offload = offload_report(rt)
+    finally:
+        close_offload(rt)
+    dist.barrier(group=groups.world)
+    if owns_world:
+        dist.destroy_process_group()
+    else:
+        # The world stays (a harness may run more), this run's groups go: each holds gloo threads that
+        # keep waking up, which slowed every later run in the same processes.
+        for group in groups.member_groups() + ([rt.tied_group] if rt.tied_group is not None else []):
+            dist.destroy_process_group(group)
+    return WorkerResult(losses=tuple(losses), state=state, first_step=first_step, offload=offload)
+
+
+def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
+    """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step and the losses."""
+    from heteroflow.data.builtin import open_train_data
+    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
+    from heteroflow.runtime.checkpoint import TrainCheckpoints
+    from heteroflow.runtime.lr import learning_rate
+    from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
+
+    job, plan, train, info, groups, device = args.job, args.plan, args.job.train, rt.info, rt.groups, rt.device
     checkpoints = TrainCheckpoints(args, rt, groups)
     first_step = checkpoints.resume()
     data = open_train_data(job, work_dir=args.data_dir)
@@ -130,16 +161,4 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         watchdog.stop()
         if writer is not None:
             writer.close()
-    state = None
-    if args.return_state:
-        from heteroflow.models.shard import shard_of
-        state = {name: (p.detach().cpu().clone(), shard_of(p)) for name, p in rt.model.named_parameters()}
-    dist.barrier(group=groups.world)
-    if owns_world:
-        dist.destroy_process_group()
-    else:
-        # The world stays (a harness may run more), this run's groups go: each holds gloo threads that
-        # keep waking up, which slowed every later run in the same processes.
-        for group in groups.member_groups() + ([rt.tied_group] if rt.tied_group is not None else []):
-            dist.destroy_process_group(group)
-    return WorkerResult(losses=tuple(losses), state=state, first_step=first_step)
+    return first_step, losses

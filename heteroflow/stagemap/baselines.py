@@ -19,7 +19,7 @@ from heteroflow.stagemap.costs import StageHardware, stage_costs_many
 from heteroflow.stagemap.options import coefficients
 from heteroflow.stagemap.estimate import boundary_times
 from heteroflow.stagemap.hardware import Hardware
-from heteroflow.stagemap.layout import Layout, tp_valid
+from heteroflow.stagemap.layout import Layout, offload_allowed, tp_valid
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time
 from heteroflow.stagemap.space import SearchOptions, micro_batch_sizes
@@ -122,6 +122,8 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
                for sp in options.sp if not sp or (tp > 1 and job.model.seq_length % tp == 0)
                for z in options.zero if not z or dp > 1
                for rc in options.recompute for off in options.offload]
+    layouts = [lay for lay in layouts if offload_allowed(lay, offload_zero=options.offload_zero,
+                                                         offload_params_max_tp=options.offload_params_max_tp)]
     if not layouts:
         return None
     p = len(shapes)

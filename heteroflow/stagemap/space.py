@@ -33,6 +33,10 @@ class SearchOptions:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES
+    offload_zero: tuple[int, ...] | None = None
+    """ZeRO stages allowed for a layout whose optimizer state or parameters leave the device (None: any in `zero`)."""
+    offload_params_max_tp: int | None = None
+    """Largest tp allowed for a layout whose parameters leave the device (None: any)."""
     sp: tuple[bool, ...] = (False, True)
     device_types: tuple[str, ...] | None = None
     """Only these device types (None: all that support the job's precision)."""
@@ -135,4 +139,5 @@ def _count(cls: DeviceClass, size: int) -> int:
 def layouts_for(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: int, options: SearchOptions):
     """The layouts searched for a stage of `size` devices of `cls`."""
     return search_layouts(job.model, num_devices=size, node_count=cls.node_count, micro_batch_size=micro_batch_size,
-                          zero=options.zero, recompute=options.recompute, offload=options.offload, sp=options.sp)
+                          zero=options.zero, recompute=options.recompute, offload=options.offload, sp=options.sp,
+                          offload_zero=options.offload_zero, offload_params_max_tp=options.offload_params_max_tp)

@@ -49,3 +49,39 @@ def test_train_bad_input_exits_2_without_traceback(tmp_path, env_cache, write_ya
     assert "train.data.path" in result.stderr and "missing.bin" in result.stderr
     result = heteroflow("train", str(job), "--emulate", "--steps", "0", env_cache=env_cache)
     assert result.returncode == 2 and "--steps must be at least 1" in result.stderr
+
+
+OFFLOAD_JOB = """
+    cluster: {nodes: [{name: a, device: cpu, count: 2}]}
+    model: {preset: micro-llama}
+    train: {global_batch_size: 4, steps: 3, offload_dir: swap, checkpoint: {dir: ckpt, interval: 2, keep: 2}}
+    plan:
+      micro_batch_size: 2
+      stages:
+        - {devices: ["a:0"], layers: 2, offload: %s}
+        - {devices: ["a:1"], layers: 2, recompute: full, offload: {optimizer: cpu, activations: cpu}}
+    """
+
+
+@pytest.mark.slow
+def test_train_with_offload_tiers_checkpoints_and_leaves_no_swap_files(tmp_path, env_cache, write_yaml):
+    job = write_yaml(OFFLOAD_JOB % "{optimizer: ssd, params: ssd}")
+    metrics = tmp_path / "metrics.jsonl"
+    result = heteroflow("train", str(job), "--emulate", "--metrics", str(metrics), env_cache=env_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stage 0 offload {optimizer: ssd, params: ssd, activations: device}: adam " in result.stdout
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002", "step-000003"]
+    assert list((tmp_path / "swap").iterdir()) == []  # the ranks made their directories there and removed them
+
+
+def test_train_refuses_offload_settings_it_does_not_run(env_cache, write_yaml):
+    job = write_yaml("""
+        cluster: {nodes: [{name: a, device: cpu, count: 2}]}
+        model: {preset: micro-llama}
+        train: {global_batch_size: 4}
+        plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, tp: 2, offload: {params: cpu}}]}
+        """)
+    result = heteroflow("train", str(job), "--emulate", env_cache=env_cache)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "plan.stages[0]: offload params: cpu needs tp: 1" in result.stderr
