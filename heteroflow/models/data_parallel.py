@@ -111,7 +111,6 @@ class DataParallelAdamW:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad: torch.Tensor | None = None
         self.steps = 0
-        self._counted_runs = self._runs(s for s in self.segments if s.counted)
         self._decayed_runs = self._runs(s for s in self.segments if s.decay)
 
     def _flat_params(self) -> torch.Tensor:
@@ -170,9 +169,12 @@ class DataParallelAdamW:
         total = torch.zeros((), dtype=torch.float32, device=self.master.device)
         if not self.zero and self.dp_rank != 0:
             return total  # every dp rank holds the same reduced gradient: count it on one
-        for a, b in self._counted_runs:
-            grad = self.grad[a:b]
-            total += torch.dot(grad, grad)
+        # Parameter by parameter, in model order: the offloaded optimizer sums the same terms in the same
+        # order, so a plan trains bit for bit alike with and without offload.
+        for s in self.segments:
+            part = self._owned(s)
+            if s.counted and part is not None:
+                total += self.grad[part[0]:part[1]].pow(2).sum()
         return total
 
     @torch.no_grad()
