@@ -126,7 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from heteroflow.stagemap.commands import plan_command
     return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
                         evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
-                        max_micro_batch_size=args.max_micro_batch_size)
+                        max_micro_batch_size=args.max_micro_batch_size, all_layouts=args.all_layouts)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate", action="store_true",
                    help="with --evaluate: price the run as `train --emulate` does it, every rank a local CPU process")
     p.add_argument("--max-micro-batch-size", type=int, metavar="N", help="largest micro-batch size searched")
+    p.add_argument("--all-layouts", action="store_true",
+                   help="also search layouts the cost model prices but `train` does not run yet (ZeRO-3)")
 
     p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
     p.add_argument("-o", "--output", metavar="PROFILE.yaml", help="write the profile here")

@@ -63,14 +63,11 @@ def search_plan_or_fail(job: JobConfig) -> PlanSpec:
     """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`), or a
     `UserError` when none fits."""
     try:
-        from heteroflow.stagemap import SearchOptions, search_plan
+        from heteroflow.stagemap import RUNTIME_LAYOUTS, search_plan
     except ImportError:
         raise UserError("`plan: auto` needs the planner, but this build has no planner (heteroflow.stagemap); "
                         "write the plan in the job's `plan:` or pass --plan PLAN.yaml") from None
-    # What check_runnable lets through: ZeRO 0-2 and every offload tier, but optimizer state or parameters
-    # off the device only with ZeRO 0, and parameters off the device only with tp 1 (check_offload_stage).
-    options = SearchOptions(zero=(0, 1, 2), offload_zero=(0,), offload_params_max_tp=1)
-    report = search_plan(job, options=options)
+    report = search_plan(job, options=RUNTIME_LAYOUTS)  # what check_runnable lets through
     if not report.feasible:
         problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
         raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why:\n"
@@ -111,7 +108,8 @@ def check_runnable(plan: PlanSpec) -> None:
                         "use cp: 1")
     check_offload_plan(plan)
     if any(stage.zero == 3 for stage in plan.stages):
-        raise UserError("ZeRO-3 is not run by the runtime yet; use zero: 0, 1 or 2")
+        raise UserError("ZeRO-3 is priced by the planner (`heteroflow plan --all-layouts`) but not run by the "
+                        "runtime yet; use zero: 0, 1 or 2, or let `heteroflow plan` (without --all-layouts) choose")
 
 
 def worker_args(job: JobConfig, plan: PlanSpec, options: TrainOptions, *, resume: bool = False) -> WorkerArgs:

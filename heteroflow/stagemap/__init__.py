@@ -2,7 +2,7 @@
 
 Public API:
 - `evaluate_plan(job, plan, *, profile=None, emulate=False) -> PlanEstimate`
-- `search_plan(job, *, profile=None, options=None) -> PlanReport`
+- `search_plan(job, *, profile=None, options=None) -> PlanReport` (`RUNTIME_LAYOUTS`: what `train` runs)
 - `Profile`, `load_profile`, `save_profile` (measurements written by `heteroflow profile`)
 """
 
@@ -10,7 +10,7 @@ from heteroflow.stagemap.api import search_plan
 from heteroflow.stagemap.estimate import PlanEstimate, StageEstimate, evaluate_plan
 from heteroflow.stagemap.profile import Profile, load_profile, save_profile
 from heteroflow.stagemap.report import Baseline, PlanReport
-from heteroflow.stagemap.space import SearchOptions
+from heteroflow.stagemap.space import RUNTIME_LAYOUTS, SearchOptions
 
-__all__ = ["Baseline", "PlanEstimate", "PlanReport", "Profile", "SearchOptions", "StageEstimate", "evaluate_plan",
+__all__ = ["RUNTIME_LAYOUTS", "Baseline", "PlanEstimate", "PlanReport", "Profile", "SearchOptions", "StageEstimate", "evaluate_plan",
            "load_profile", "save_profile", "search_plan"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 from heteroflow.errors import UserError
 
@@ -15,10 +16,14 @@ def _print_json(data: object) -> None:
 
 def plan_command(*, job_path: str, output: str | None = None, as_json: bool = False, gantt: str | None = None,
                  evaluate: str | None = None, profile_path: str | None = None, emulate: bool = False,
-                 max_micro_batch_size: int | None = None) -> int:
-    """Search (or, with `evaluate`, estimate) a plan for a job; print a table or JSON; write files."""
+                 max_micro_batch_size: int | None = None, all_layouts: bool = False) -> int:
+    """Search (or, with `evaluate`, estimate) a plan for a job; print a table or JSON; write files.
+
+    The search covers the layouts `heteroflow train` runs (`RUNTIME_LAYOUTS`), or with `all_layouts` every
+    layout the cost model prices (ZeRO-3 too), for capacity planning.
+    """
     from heteroflow.config import load_job, load_plan_file
-    from heteroflow.stagemap import SearchOptions, evaluate_plan, search_plan
+    from heteroflow.stagemap import RUNTIME_LAYOUTS, SearchOptions, evaluate_plan, search_plan
     from heteroflow.stagemap.profile import load_profile
     from heteroflow.stagemap.report import format_estimate, format_report
 
@@ -40,7 +45,9 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
         return 0 if estimate.feasible else 1
     if emulate:
         raise UserError("--emulate prices an explicit plan: use it with --evaluate")
-    options = SearchOptions() if max_micro_batch_size is None else SearchOptions(max_micro_batch_size=max_micro_batch_size)
+    options = SearchOptions() if all_layouts else RUNTIME_LAYOUTS
+    if max_micro_batch_size is not None:
+        options = replace(options, max_micro_batch_size=max_micro_batch_size)
     report = search_plan(job, profile=profile, options=options)
     if as_json:
         _print_json(report.to_json())

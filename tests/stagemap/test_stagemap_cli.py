@@ -133,3 +133,17 @@ def test_quick_profile_writes_a_profile_a_job_can_use(tmp_path):
                                                 "    - {name: dcu-0, device: cpu, count: 4}"))
     result = heteroflow("plan", str(job), "--evaluate", "--json")
     assert result.returncode == 0, result.stderr
+
+
+def test_plan_proposes_what_train_runs_and_all_layouts_may_do_better(tmp_path):
+    from heteroflow.runtime.train import check_runnable
+
+    job_path = REPO / "configs" / "jobs" / "llama3-70b-three-vendor.yaml"
+    runnable = heteroflow("plan", str(job_path), "--json", "-o", str(tmp_path / "plan.yaml"))
+    everything = heteroflow("plan", str(job_path), "--json", "--all-layouts")
+    assert runnable.returncode == 0 and everything.returncode == 0, runnable.stderr + everything.stderr
+    ours, priced = json.loads(runnable.stdout), json.loads(everything.stdout)
+    assert all(stage.get("zero", 0) <= 2 for stage in ours["stages"])
+    check_runnable(load_plan_file(tmp_path / "plan.yaml", load_job(job_path)))  # `train --plan` takes it as is
+    assert any(stage.get("zero", 0) == 3 for stage in priced["stages"])  # this job is one where ZeRO-3 pays
+    assert priced["tokens_per_s"] >= ours["tokens_per_s"]
