@@ -14,6 +14,7 @@ every OpenMP barrier). Measured:
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from heteroflow.stagemap.measure import PROFILE_DTYPES, square_gemm_tflops, time_calls
@@ -31,6 +32,13 @@ def _no_sync() -> None:
     """CPU kernels are done when they return."""
 
 
+def _median(repeats: int, measure, *args) -> tuple[float, ...]:
+    """Each figure of `measure(*args)` (a tuple), as the median of `repeats` runs: a figure of a backward is
+    a difference of two timings, and one disturbed timing would otherwise set it."""
+    runs = [measure(*args) for _ in range(repeats)]
+    return tuple(statistics.median(values) for values in zip(*runs))
+
+
 def measure_cpu_thread(*, quick: bool = False) -> ThreadProfile:
     """One CPU thread running heteroflow's code, timed in thread CPU time (see the module docstring)."""
     import torch
@@ -38,17 +46,20 @@ def measure_cpu_thread(*, quick: bool = False) -> ThreadProfile:
     torch.set_num_threads(1)  # the calling thread then runs every kernel, forward and backward
     try:
         budget = 0.02 if quick else 0.1
+        repeats = 1 if quick else 3
         cpu, clock = torch.device("cpu"), time.thread_time
         sizes = (16, 64, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
         gemm = {prec: tuple((n, square_gemm_tflops(torch, cpu, n, getattr(torch, dt), budget, clock=clock)) for n in sizes)
                 for prec, dt in PROFILE_DTYPES.items()}
         head_dims = (16, 64) if quick else (16, 32, 64, 128)
-        attention = {prec: tuple((d, *_attention_tflops(torch, d, getattr(torch, dt), budget)) for d in head_dims)
+        attention = {prec: tuple((d, *_median(repeats, _attention_tflops, torch, d, getattr(torch, dt), budget))
+                                 for d in head_dims)
                      for prec, dt in PROFILE_DTYPES.items()}
-        forward_s, backward_s = _block_overhead_s(torch, budget)
-        reference = {prec: _reference_block_s(torch, getattr(torch, dt), budget) for prec, dt in PROFILE_DTYPES.items()}
-        return ThreadProfile(gemm_tflops=gemm, attention_tflops=attention,
-                             elementwise_gb_per_s=_block_elementwise_gb_per_s(torch, budget),
+        forward_s, backward_s = _median(repeats, _block_overhead_s, torch, budget)
+        reference = {prec: _median(repeats, _reference_block_s, torch, getattr(torch, dt), budget)
+                     for prec, dt in PROFILE_DTYPES.items()}
+        elementwise = statistics.median(_block_elementwise_gb_per_s(torch, budget) for _ in range(repeats))
+        return ThreadProfile(gemm_tflops=gemm, attention_tflops=attention, elementwise_gb_per_s=elementwise,
                              block_forward_overhead_s=forward_s, block_backward_overhead_s=backward_s,
                              reference_block_shape=dict(REFERENCE_BLOCK), reference_block_s=reference)
     finally:
