@@ -10,6 +10,7 @@ every OpenMP barrier). Measured:
 - the block's fixed cost (forward and backward on 4 tokens of width 16);
 - the real block at one mid-size shape (`REFERENCE_BLOCK`): kernels run slower inside a block than alone,
   and the cost model scales the curves to match it (`hardware.in_block_slowdown`).
+Each figure is the median of five rounds that each measure everything once (one with --quick).
 """
 
 from __future__ import annotations
@@ -32,38 +33,54 @@ def _no_sync() -> None:
     """CPU kernels are done when they return."""
 
 
-def _median(repeats: int, measure, *args) -> tuple[float, ...]:
-    """Each figure of `measure(*args)` (a tuple), as the median of `repeats` runs: a figure of a backward is
-    a difference of two timings, and one disturbed timing would otherwise set it."""
-    runs = [measure(*args) for _ in range(repeats)]
-    return tuple(statistics.median(values) for values in zip(*runs))
-
-
 def measure_cpu_thread(*, quick: bool = False) -> ThreadProfile:
-    """One CPU thread running heteroflow's code, timed in thread CPU time (see the module docstring)."""
+    """One CPU thread running heteroflow's code, timed in thread CPU time (see the module docstring).
+
+    Every figure is the median of rounds that each measure everything once: the machine's speed drifts
+    over seconds (other tenants, memory reclaim), and a backward figure is the difference of two timings,
+    so one disturbed period would otherwise set a figure, or set the reference block apart from the curves
+    it is compared with.
+    """
     import torch
+    sizes = (16, 64, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
+    head_dims = (16, 64) if quick else (16, 32, 64, 128)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # the calling thread then runs every kernel, forward and backward
     try:
-        budget = 0.02 if quick else 0.1
-        repeats = 1 if quick else 3
-        cpu, clock = torch.device("cpu"), time.thread_time
-        sizes = (16, 64, 256) if quick else (16, 32, 64, 128, 256, 512, 1024)
-        gemm = {prec: tuple((n, square_gemm_tflops(torch, cpu, n, getattr(torch, dt), budget, clock=clock)) for n in sizes)
-                for prec, dt in PROFILE_DTYPES.items()}
-        head_dims = (16, 64) if quick else (16, 32, 64, 128)
-        attention = {prec: tuple((d, *_median(repeats, _attention_tflops, torch, d, getattr(torch, dt), budget))
-                                 for d in head_dims)
-                     for prec, dt in PROFILE_DTYPES.items()}
-        forward_s, backward_s = _median(repeats, _block_overhead_s, torch, budget)
-        reference = {prec: _median(repeats, _reference_block_s, torch, getattr(torch, dt), budget)
-                     for prec, dt in PROFILE_DTYPES.items()}
-        elementwise = statistics.median(_block_elementwise_gb_per_s(torch, budget) for _ in range(repeats))
-        return ThreadProfile(gemm_tflops=gemm, attention_tflops=attention, elementwise_gb_per_s=elementwise,
-                             block_forward_overhead_s=forward_s, block_backward_overhead_s=backward_s,
-                             reference_block_shape=dict(REFERENCE_BLOCK), reference_block_s=reference)
+        rounds = [_one_round(torch, sizes, head_dims, budget_s=0.02 if quick else 0.05)
+                  for _ in range(1 if quick else 5)]
     finally:
         torch.set_num_threads(previous)
+
+    def median(*key) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    return ThreadProfile(
+        gemm_tflops={prec: tuple((n, median("gemm", prec, n)) for n in sizes) for prec in PROFILE_DTYPES},
+        attention_tflops={prec: tuple((d, median("attention", prec, d), median("attention backward", prec, d))
+                                      for d in head_dims) for prec in PROFILE_DTYPES},
+        elementwise_gb_per_s=median("elementwise"),
+        block_forward_overhead_s=median("overhead"), block_backward_overhead_s=median("overhead backward"),
+        reference_block_shape=dict(REFERENCE_BLOCK),
+        reference_block_s={prec: (median("reference", prec), median("reference backward", prec))
+                           for prec in PROFILE_DTYPES})
+
+
+def _one_round(torch, sizes: tuple[int, ...], head_dims: tuple[int, ...], *, budget_s: float) -> dict[tuple, float]:
+    """Every figure once, keyed by (what, precision, size), (what, precision) or (what,)."""
+    cpu = torch.device("cpu")
+    out: dict[tuple, float] = {}
+    for prec, name in PROFILE_DTYPES.items():
+        dtype = getattr(torch, name)
+        for n in sizes:
+            out["gemm", prec, n] = square_gemm_tflops(torch, cpu, n, dtype, budget_s, clock=time.thread_time)
+        for d in head_dims:
+            out["attention", prec, d], out["attention backward", prec, d] = _attention_tflops(torch, d, dtype,
+                                                                                              budget_s)
+        out["reference", prec], out["reference backward", prec] = _reference_block_s(torch, dtype, budget_s)
+    out[("overhead",)], out[("overhead backward",)] = _block_overhead_s(torch, budget_s)
+    out[("elementwise",)] = _block_elementwise_gb_per_s(torch, budget_s)
+    return out
 
 
 def _attention_tflops(torch, head_dim: int, dtype, budget_s: float) -> tuple[float, float]:
