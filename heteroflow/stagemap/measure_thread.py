@@ -134,16 +134,39 @@ def _block_overhead_s(torch, budget_s: float) -> tuple[float, float]:
     return _block_seconds(torch, blocks, (1, 4, 16), budget_s)
 
 
+REFERENCE_IN_FLIGHT = 4
+"""Micro-batches whose activations the reference measurement holds at once, as a pipeline stage does."""
+
+
 def _reference_block_s(torch, dtype, budget_s: float) -> tuple[float, float]:
-    """(forward, backward) seconds of heteroflow's real block at the `REFERENCE_BLOCK` shape."""
+    """(forward, backward) seconds of heteroflow's real block at the `REFERENCE_BLOCK` shape, run as a
+    pipeline stage runs it: the forwards of `REFERENCE_IN_FLIGHT` micro-batches keep their activations until
+    the backwards (fresh memory for each, unlike a loop over one input, which reuses the same buffers)."""
     from heteroflow.config.model import ModelSpec
     from heteroflow.models.llama import Block
     shape = dict(REFERENCE_BLOCK)
     batch = shape.pop("micro_batch_size")
     spec = ModelSpec(num_layers=1, vocab_size=16, **shape)
     blocks = torch.nn.Sequential(*(Block(spec) for _ in range(2)))
-    return _block_seconds(torch, blocks, (batch, spec.seq_length, spec.hidden_size), 2 * budget_s,
-                          autocast=None if dtype == torch.float32 else dtype)
+    grad = torch.ones(batch, spec.seq_length, spec.hidden_size)
+    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    forward_s = backward_s = 0.0
+    calls = 0
+    while calls < 2 or forward_s + backward_s < 2 * budget_s:
+        inputs = [torch.randn(*grad.shape, requires_grad=True) for _ in range(REFERENCE_IN_FLIGHT)]
+        start = time.thread_time()
+        with autocast:
+            outputs = [blocks(x) for x in inputs]
+        middle = time.thread_time()
+        for y in outputs:
+            y.backward(grad)
+        end = time.thread_time()
+        blocks.zero_grad(set_to_none=True)
+        if calls > 0:  # the first round is a warm-up
+            forward_s, backward_s = forward_s + middle - start, backward_s + end - middle
+        calls += 1
+    per_block = (calls - 1) * REFERENCE_IN_FLIGHT * len(blocks)
+    return forward_s / per_block, backward_s / per_block
 
 
 def _block_elementwise_gb_per_s(torch, budget_s: float) -> float:
