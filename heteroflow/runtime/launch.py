@@ -63,6 +63,12 @@ class LaunchSpec:
     """The local rank whose output is also shown live; None shows none."""
 
 
+def threads_per_process(cores: int, processes: int) -> int:
+    """Default torch threads of each of `processes` workers on `cores` cores: an even split, at least one.
+    (`stagemap.hardware.threads_per_process` prices emulated runs with the same rule.)"""
+    return max(1, cores // max(1, processes))
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (bound to port 0 by the kernel)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -82,7 +88,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
         raise UserError("nothing to launch: the plan uses no devices")
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix="heteroflow-logs-")
     Path(log_dir).mkdir(parents=True, exist_ok=True)
-    threads = spec.threads_per_process or max(1, (os.cpu_count() or 1) // spec.num_processes)
+    threads = spec.threads_per_process or threads_per_process(os.cpu_count() or 1, spec.num_processes)
     tee = {} if spec.tee_local_rank is None else {spec.tee_local_rank: Std.ALL}
     timeout = max(1, int(spec.join_timeout_s))
     config = LaunchConfig(

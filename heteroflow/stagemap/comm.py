@@ -3,7 +3,8 @@
 Assumptions (documented, used everywhere):
 - Ring algorithms: all-reduce moves 2(n-1)/n of the buffer per rank, all-gather and reduce-scatter
   (n-1)/n; each of the 2(n-1) or (n-1) steps pays the link latency.
-- TP collectives run on the node's intra-node link and are not overlapped with compute (Megatron default).
+- TP collectives run on the node's intra-node link and are not overlapped with compute (Megatron default);
+  with a profile that measured all-reduces, collectives inside a node use those figures instead.
 - A DP group inside one node uses the intra-node link; one that spans nodes is a ring through the nodes'
   NICs, which the tp * cp concurrent DP rings of the stage share.
 - The boundary transfer moves one micro-batch's hidden states (micro_batch_size x seq x hidden) forward and
@@ -36,7 +37,7 @@ def all_gather_s(num_bytes: float, n: int, gb_per_s: float, latency_s: float) ->
 def dp_link(device: DeviceModel, hardware: Hardware, *, single_node: bool, tp: int, cp: int) -> tuple[float, float]:
     """(GB/s, latency) of one DP ring of a stage."""
     if single_node or hardware.emulate:
-        return device.intra_node_gb_per_s, device.intra_latency_s
+        return device.collective_link()
     return min(device.intra_node_gb_per_s, hardware.inter_node_gb_per_s / (tp * cp)), hardware.inter_latency_s
 
 

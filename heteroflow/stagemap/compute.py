@@ -7,7 +7,10 @@ Per layer and token (h hidden, f MLP width, a query heads, k kv heads, d head wi
 - LM head (last stage): 2 h V; embedding lookup (first stage): memory traffic only.
 Backward costs 2x the forward for GEMMs (input and weight gradients), 2.5x for the attention core (flash
 attention recomputes the probabilities) and 2x the memory traffic of elementwise kernels (norms, residual
-adds, RoPE, the activation function, the loss), which are priced at device memory bandwidth.
+adds, RoPE, the activation function, the loss), which are priced at device memory bandwidth. The elementwise
+traffic is that of heteroflow's own unfused model code (`elementwise_elements`), which runs on every device.
+A device with measured attention rates and block overheads (an emulated rank priced from the profile's
+`cpu_thread`) uses those for the attention core and for the per-block host cost instead.
 Tensor parallelism splits heads and the MLP width (kv heads are replicated when tp > kv heads); with
 sequence parallelism the norms and residual adds also work on 1/tp of the tokens.
 """
@@ -23,6 +26,11 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 KERNELS_PER_LAYER = 24
 """Kernels one block launches in its forward (norms, projections, RoPE, attention, MLP, adds); twice that
 in the backward."""
+NORM_PASSES = {"rmsnorm": 7, "layernorm": 2}
+"""Elements read and written per element of one norm's input. heteroflow's RMSNorm: pow (read, write), mean
+(read), times the reciprocal root (read, write), times the weight (read, write); LayerNorm: one fused kernel."""
+ROPE_PASSES = 10
+"""Per query or key element: rotate-half (negate half, concatenate), x * cos, rotated * sin, their sum."""
 LOSS_BYTES_PER_LOGIT = 12
 """Cross-entropy traffic per logit: read the bf16 logits, write and re-read fp32 probabilities."""
 
@@ -61,6 +69,29 @@ def head_params_per_device(model: ModelSpec, tp: int, *, single_stage: bool) -> 
     return head + model.hidden_size
 
 
+def elementwise_elements(model: ModelSpec, *, tp: int, sp: bool) -> tuple[float, float]:
+    """(all, activation function) elements one token reads and writes in a block's elementwise kernels, forward.
+
+    Counts heteroflow's model code (models/llama.py), kernel by kernel: two norms and two residual adds (on
+    1/tp of the tokens under sp), q/k norms, RoPE on the local queries and keys, the kv heads repeated to the
+    query heads (grouped-query attention), the attention output made contiguous, and the activation: SwiGLU
+    is silu (read f, write f) and the gate product (read 2f, write f), GELU one kernel (read f, write f).
+    """
+    h_e = model.hidden_size / tp if sp else model.hidden_size
+    d = model.kv_channels
+    q, kv = model.num_attention_heads // tp * d, kv_heads_local(model, tp) * d
+    f = model.ffn_hidden_size / tp
+    elements = (2 * NORM_PASSES[model.normalization] + 2 * 3) * h_e + 2 * q
+    if model.qk_norm:
+        elements += NORM_PASSES["rmsnorm"] * (q + kv)
+    if model.position_embedding == "rope":
+        elements += ROPE_PASSES * (q + kv)
+    if q > kv:
+        elements += 2 * (kv + q)
+    act_fn = 5 * f if model.activation == "swiglu" else 2 * f
+    return elements + act_fn, act_fn
+
+
 def model_flops_per_sample(model: ModelSpec) -> float:
     """Training FLOPs of one sample (forward + backward = 3 x forward, no recompute), for MFU."""
     h, d, s = model.hidden_size, model.kv_channels, model.seq_length
@@ -80,12 +111,17 @@ class LayerCompute:
     activation_fn_s: float
     """The part of `elementwise_s` spent in the MLP activation (recomputed by selective recompute)."""
     overhead_s: float
-    """Kernel launches."""
+    """Host-side cost: kernel launches, or the measured per-block overhead."""
+    attention_backward_s: float
+    """The attention core's backward (measured, or `ATTENTION_BACKWARD_FACTOR` x the forward)."""
+    overhead_backward_s: float
+    """The host-side cost of the backward (measured, or twice the forward's launches)."""
 
 
 def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int, sp: bool,
                   dtype_bytes: int) -> LayerCompute:
-    """Forward compute of one block for `tokens` tokens on one device of a tp group."""
+    """Forward compute of one block for `tokens` tokens on one device of a tp group (and the backward's
+    attention and host overhead, which do not follow the 2x rule when measured)."""
     h, d, s = model.hidden_size, model.kv_channels, model.seq_length
     q_dim = model.num_attention_heads // tp * d
     kv_dim = kv_heads_local(model, tp) * d
@@ -94,12 +130,22 @@ def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int,
     gemm = (dev.gemm_s(tokens, q_dim + 2 * kv_dim, h, dtype_bytes) + dev.gemm_s(tokens, h, q_dim, dtype_bytes)
             + dev.gemm_s(tokens, up * f_loc, h, dtype_bytes) + dev.gemm_s(tokens, h, f_loc, dtype_bytes))
     attn_flops = 2.0 * tokens * s * (model.num_attention_heads // tp) * d
-    attention = attn_flops / (dev.gemm_tflops(min(tokens, s, d)) * 1e12)
-    h_e = h / tp if sp else h
-    act_fn = dev.memory_s((up + 1) * tokens * f_loc * dtype_bytes)
-    elementwise = dev.memory_s((10 * h_e + 2 * (q_dim + kv_dim)) * tokens * dtype_bytes) + act_fn
+    rates = dev.attention_rates(d)
+    if rates is not None:
+        attention, attention_bwd = attn_flops / (rates[0] * 1e12), attn_flops / (rates[1] * 1e12)
+    else:
+        attention = attn_flops / (dev.gemm_tflops(min(tokens, s, d)) * 1e12)
+        attention_bwd = ATTENTION_BACKWARD_FACTOR * attention
+    elements, act_elements = elementwise_elements(model, tp=tp, sp=sp)
+    act_fn = dev.memory_s(act_elements * tokens * dtype_bytes)
+    elementwise = dev.memory_s(elements * tokens * dtype_bytes)
+    if dev.block_overhead_s is not None:
+        overhead, overhead_bwd = dev.block_overhead_s
+    else:
+        overhead = dev.launch_s(KERNELS_PER_LAYER)
+        overhead_bwd = 2 * overhead
     return LayerCompute(gemm_s=gemm, attention_s=attention, elementwise_s=elementwise, activation_fn_s=act_fn,
-                        overhead_s=dev.launch_s(KERNELS_PER_LAYER))
+                        overhead_s=overhead, attention_backward_s=attention_bwd, overhead_backward_s=overhead_bwd)
 
 
 def embedding_s(model: ModelSpec, dev: DeviceModel, *, tokens: float, dtype_bytes: int) -> tuple[float, float]:

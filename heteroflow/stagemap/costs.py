@@ -15,7 +15,8 @@ Overlap assumptions:
   global norm, so the stages synchronize there).
 - Offload bandwidths: the device's host link for CPU; for SSD the node's NVMe read/write bandwidth shared
   by the node's devices (and never more than the host link); CPU Adam streams 28 bytes per parameter at
-  the node's host memory bandwidth shared by its devices.
+  the node's host memory bandwidth shared by its devices; the on-device AdamW streams what heteroflow's
+  unfused implementation does (`DEVICE_ADAM_BYTES_PER_PARAM`, `FLAT_BUFFER_BYTES_PER_PARAM`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,20 @@ from functools import lru_cache
 from heteroflow.config.model import ModelSpec
 from heteroflow.stagemap.comm import all_gather_s, all_reduce_s, dp_link
 from heteroflow.stagemap.compute import (embedding_params_per_device, embedding_s, head_params_per_device, head_s,
-                                         kv_heads_local, layer_forward, layer_params_per_device,
-                                         ATTENTION_BACKWARD_FACTOR)
+                                         kv_heads_local, layer_forward, layer_params_per_device)
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.stagemap.layout import Layout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, memory_from_parts,
                                         memory_parts, memory_total_from_parts, state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
+"""A fused AdamW step (CPU Adam of offloaded optimizer state): read grad, master, two moments; write three."""
+DEVICE_ADAM_BYTES_PER_PARAM = 104
+"""heteroflow's on-device AdamW (`models.data_parallel.DataParallelAdamW`), per parameter of the rank's shard:
+the clip scale, weight decay, lerp, mul, addcmul, sqrt, bias division, eps add, addcdiv (92 bytes) and the
+gradient-norm share (12)."""
+FLAT_BUFFER_BYTES_PER_PARAM = 20
+"""...and per local parameter: its flat fp32 gradient buffer zeroed and filled (12), the weights copied back (8)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,15 +207,16 @@ def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int,
     wb, gb, ob = state_bytes_per_param(precision)
     tokens = mbs / dp * model.seq_length / cp
     lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=wb)
-    intra, intra_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
+    intra, intra_lat = dev.collective_link()
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
     act_bytes = tokens * model.hidden_size * wb
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
     # Context parallelism: each rank passes its K/V chunk around the ring (twice in the backward).
     kv_chunk = tokens * 2 * kv_heads_local(model, tp) * model.kv_channels * wb
-    cp_fwd = (cp - 1) * kv_chunk / (intra * 1e9) + (cp - 1) * intra_lat if cp > 1 else 0.0
+    p2p, p2p_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
+    cp_fwd = (cp - 1) * kv_chunk / (p2p * 1e9) + (cp - 1) * p2p_lat if cp > 1 else 0.0
     attn_fwd = max(lc.attention_s, cp_fwd)
-    attn_bwd = max(ATTENTION_BACKWARD_FACTOR * lc.attention_s, 2 * cp_fwd)
+    attn_bwd = max(lc.attention_backward_s, 2 * cp_fwd)
     p_layer = layer_params_per_device(model, tp)
     # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
     emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=wb)
@@ -226,7 +234,7 @@ def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int,
                     -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0)
     return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
                  compute_fwd=lc.gemm_s + attn_fwd + lc.elementwise_s + lc.overhead_s,
-                 compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + 2 * lc.overhead_s,
+                 compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + lc.overhead_backward_s,
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, dp_bw=dp_bw, dp_lat=dp_lat,
                  p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, dp, dp_bw, dp_lat),
                  scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
@@ -264,7 +272,7 @@ def _tail(layout: Layout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_
     shard = 1.0 / dp if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":
-        per_param += shard * ADAM_BYTES_PER_PARAM / (dev.hbm_gb_per_s * 1e9)
+        per_param += (FLAT_BUFFER_BYTES_PER_PARAM + shard * DEVICE_ADAM_BYTES_PER_PARAM) / (dev.hbm_gb_per_s * 1e9)
         return const, per_param
     host_adam = ADAM_BYTES_PER_PARAM / (dev.host_memory_gb_per_s / hw.node_count * 1e9)
     per_param += shard * host_adam

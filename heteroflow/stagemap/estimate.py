@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from heteroflow.config.job import JobConfig
@@ -13,7 +14,7 @@ from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
 from heteroflow.stagemap.hardware import Hardware, build_hardware
 from heteroflow.stagemap.layout import Layout
 from heteroflow.stagemap.memory import GIB
-from heteroflow.stagemap.pipeline import in_flight, pipeline_time
+from heteroflow.stagemap.pipeline import in_flight, pipeline_time, shared_makespan, simulate_shared
 from heteroflow.stagemap.profile import Profile, load_profile
 
 
@@ -106,9 +107,11 @@ def resolve_profile(job: JobConfig, profile: Profile | None) -> Profile | None:
 
 
 def job_hardware(job: JobConfig, profile: Profile | None, *, emulate: bool = False, num_ranks: int = 1) -> Hardware:
-    """Device models of the job's cluster for its precision."""
+    """Device models of the job's cluster for its precision (emulated: `num_ranks` processes on the profiled
+    host, or on this machine when there is no profile)."""
+    cores = profile.host.cpu_cores if profile is not None else (os.cpu_count() or 1)
     return build_hardware(job.cluster.device_types, job.cluster.inter_node_gb_per_s, job.train.precision,
-                          profile=profile, emulate=emulate, num_ranks=num_ranks)
+                          profile=profile, emulate=emulate, num_ranks=num_ranks, cores=cores)
 
 
 def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tuple[StageHardware, frozenset[str]]:
@@ -126,7 +129,8 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
     """Estimate `plan` for `job`. Stages that do not fit in memory are reported in `problems`.
 
     `emulate=True` prices the run `heteroflow train --emulate` would do: every rank a local CPU process
-    (priced as the profiled local device, or the catalog `cpu` entry), all ranks sharing the host.
+    (priced from the profile's `cpu_thread`, else the profiled local device or the catalog `cpu` entry), all
+    ranks sharing the host's cores.
     """
     profile = resolve_profile(job, profile)
     hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices)
@@ -135,7 +139,8 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
     costs = [stage_costs(job.model, job.train.precision, hw, Layout.of(s), plan.micro_batch_size, hardware)
              for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
-    return assemble(job, plan, hws, costs, recv, emulate=emulate)
+    return assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
+                    threads_per_rank=hardware.threads_per_rank)
 
 
 def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageHardware, frozenset[str]]],
@@ -149,8 +154,9 @@ def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageH
 
 
 def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: list[StageCosts],
-             recv: list[float], *, emulate: bool = False) -> PlanEstimate:
-    """Combine per-stage costs into pipeline, step and memory figures."""
+             recv: list[float], *, emulate: bool = False, cores: int = 1, threads_per_rank: int = 1) -> PlanEstimate:
+    """Combine per-stage costs into pipeline, step and memory figures. Emulated, the stages' threads
+    (`threads_per_rank` per device) share `cores` cores."""
     p, m = len(plan.stages), plan.num_micro_batches(job.train)
     fwd, bwd, tails, stages, problems = [], [], [], [], []
     for k, ((first_layer, last_layer), stage, hw, c) in enumerate(zip(plan.layer_ranges(), plan.stages, hws, costs)):
@@ -171,10 +177,17 @@ def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: li
         stages.append(est)
         if not est.fits:
             problems.append(memory_problem(job, est, hw, plan, first, last))
-    pipe = pipeline_time(fwd, bwd, m, plan.schedule)
-    step = pipe + max(tails)
+    if emulate:
+        threads = [hw.num_devices * threads_per_rank for hw in hws]
+        pipe = simulate_shared(fwd, bwd, m, plan.schedule, threads=threads, cores=cores)
+        step = pipe + shared_makespan(tails, threads=threads, cores=cores)
+        thread_peak = hws[0].device.peak_tflops * hws[0].device.share / threads_per_rank
+        peak_flops = thread_peak * min(cores, sum(threads)) * 1e12
+    else:
+        pipe = pipeline_time(fwd, bwd, m, plan.schedule)
+        step = pipe + max(tails)
+        peak_flops = sum(hw.device.peak_tflops * hw.device.share * hw.num_devices for hw in hws) * 1e12
     tokens = job.train.global_batch_size * job.model.seq_length
-    peak_flops = sum(hw.device.peak_tflops * hw.device.share * hw.num_devices for hw in hws) * 1e12
     mfu = model_flops_per_sample(job.model) * job.train.global_batch_size / (step * peak_flops)
     busy = sum(m * (f + b) for f, b in zip(fwd, bwd))
     return PlanEstimate(plan=plan, stages=tuple(stages), num_micro_batches=m, pipeline_time_s=pipe,

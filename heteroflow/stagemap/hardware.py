@@ -15,9 +15,17 @@ Host-side figures the catalog does not carry (per node): HOST_MEMORY_GB_PER_S (C
 SSD_READ_GB_PER_S / SSD_WRITE_GB_PER_S (NVMe offload). Latencies: INTRA_LATENCY_S per collective step
 inside a node, INTER_LATENCY_S between nodes, HOST_STAGE_LATENCY_S per host-staged hop.
 
-Emulation (`emulate=True`): every device is priced as the profiled local device (or the catalog `cpu`
-entry), and the `num_ranks` ranks share the host: each rank gets 1/num_ranks of the measured compute and
-memory bandwidth and of the host memory; every link is the measured local link.
+A profile whose link section measured all-reduces prices collectives inside a node with those figures
+(`collective_link`); point-to-point transfers keep the link's own.
+
+Emulation (`emulate=True`): every device is priced as one local CPU process with the threads the launcher
+gives it (`threads_per_process`: the host's cores split between the ranks, at least one each), as if it ran
+alone. With the profile's `cpu_thread`: one thread's GEMM and attention rates and elementwise rate, times
+the rank's threads, divided by `in_block_slowdown` (how much slower the measured real block ran than those
+rates predict), plus the measured per-block overhead. Without it: the measured or catalog whole-machine
+rates, split evenly between the cores. The ranks then share the cores: the pipeline is timed by
+`pipeline.simulate_shared` (processor sharing), not by the closed form. With a profile each rank gets
+1/num_ranks of the host memory; every link is the measured local link.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from heteroflow.config.device import DeviceSpec
-from heteroflow.stagemap.profile import DeviceProfile, Profile
+from heteroflow.stagemap.profile import REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile, curve_rate
 
 EFF_MAX = {"nvidia": 0.80, "amd": 0.70, "hygon": 0.60, "ascend": 0.70, "cpu": 1.0}
 EFF_HALF_DIM = {"nvidia": 128.0, "amd": 160.0, "hygon": 192.0, "ascend": 160.0, "cpu": 48.0}
@@ -59,6 +67,9 @@ class DeviceModel:
     ssd_write_gb_per_s: float = SSD_WRITE_GB_PER_S
     """Per node."""
     intra_latency_s: float = INTRA_LATENCY_S
+    collective_gb_per_s: float = 0.0
+    """Measured ring all-reduce bandwidth inside a node (0: the intra-node link's figures)."""
+    collective_latency_s: float = 0.0
     launch_overhead_s: float = 5e-6
     """Seconds to launch one kernel (per rank; under emulation the ranks share the host's cores)."""
     eff_max: float = 0.8
@@ -67,7 +78,13 @@ class DeviceModel:
     """Measured GEMM curve, used instead of peak x efficiency when present."""
     precision: str = "bf16"
     share: float = 1.0
-    """Fraction of the measured compute and memory bandwidth one rank gets (emulation)."""
+    """Multiple of the measured compute rates one rank gets (emulation: its threads, or its fraction of the
+    whole-machine rates)."""
+    attention_tflops: tuple[tuple[int, float, float], ...] = ()
+    """Measured (head_dim, forward, backward) attention rates of one thread (see `ThreadProfile`); empty: the
+    attention core is priced from the GEMM rate."""
+    block_overhead_s: tuple[float, float] | None = None
+    """Measured (forward, backward) host seconds of one decoder block; None: `launch_s` of its kernels."""
 
     def gemm_tflops(self, dim: float) -> float:
         """Effective TFLOP/s of a GEMM whose smallest dimension is `dim`."""
@@ -77,6 +94,13 @@ class DeviceModel:
                 return rate * self.share
         return self.peak_tflops * self.eff_max * dim / (dim + self.eff_half_dim) * self.share
 
+    def attention_rates(self, head_dim: float) -> tuple[float, float] | None:
+        """Measured (forward, backward) TFLOP/s of the attention core, or None."""
+        if not self.attention_tflops:
+            return None
+        return (curve_rate(self.attention_tflops, head_dim, 1) * self.share,
+                curve_rate(self.attention_tflops, head_dim, 2) * self.share)
+
     def gemm_s(self, m: float, n: float, k: float, dtype_bytes: int) -> float:
         """Seconds for one (m x k) @ (k x n) GEMM: compute at the effective rate, or memory traffic if slower."""
         flops = 2.0 * m * n * k
@@ -85,8 +109,15 @@ class DeviceModel:
         return max(compute, traffic)
 
     def launch_s(self, kernels: int) -> float:
-        """Host-side seconds to launch `kernels` kernels."""
-        return kernels * self.launch_overhead_s / self.share
+        """Host-side seconds to launch `kernels` kernels (one host thread does it, whatever `share` is)."""
+        return kernels * self.launch_overhead_s
+
+    def collective_link(self) -> tuple[float, float]:
+        """(GB/s, latency per ring step) of collectives inside a node: measured all-reduces when the profile
+        has them (they pay more per byte and per step than point to point), else the intra-node link."""
+        if self.collective_gb_per_s > 0:
+            return self.collective_gb_per_s, self.collective_latency_s
+        return self.intra_node_gb_per_s, self.intra_latency_s
 
     def memory_s(self, num_bytes: float) -> float:
         """Seconds to stream `num_bytes` through device memory (elementwise kernels)."""
@@ -102,6 +133,10 @@ class Hardware:
     inter_latency_s: float = INTER_LATENCY_S
     emulate: bool = False
     """Every rank a local CPU process: links are the local link, no host staging."""
+    cores: int = 0
+    """Emulation: the host's cores, which the ranks' threads share."""
+    threads_per_rank: int = 1
+    """Emulation: threads of each rank (`threads_per_process`)."""
 
 
 def peak_for(spec: DeviceSpec, precision: str) -> float | None:
@@ -143,6 +178,9 @@ def _apply_measurements(model: DeviceModel, measured: DeviceProfile, profile: Pr
     if profile.link is not None and profile.link.gb_per_s:
         changes["intra_node_gb_per_s"] = profile.link.gb_per_s
         changes["intra_latency_s"] = profile.link.latency_s or model.intra_latency_s
+    if profile.link is not None and profile.link.allreduce_gb_per_s:
+        changes["collective_gb_per_s"] = profile.link.allreduce_gb_per_s
+        changes["collective_latency_s"] = profile.link.allreduce_latency_s
     if profile.host.memory_gb_per_s:
         changes["host_memory_gb_per_s"] = profile.host.memory_gb_per_s
     if profile.disk is not None and profile.disk.read_gb_per_s and profile.disk.write_gb_per_s:
@@ -151,33 +189,80 @@ def _apply_measurements(model: DeviceModel, measured: DeviceProfile, profile: Pr
     return replace(model, **changes)
 
 
+def threads_per_process(cores: int, processes: int) -> int:
+    """Threads each of `processes` local workers gets: the cores split evenly, at least one. The same rule as
+    the launcher's `runtime.launch.threads_per_process` (kept apart: planning must not need the runtime)."""
+    return max(1, cores // max(1, processes))
+
+
 def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, precision: str, *,
-                   profile: Profile | None = None, emulate: bool = False, num_ranks: int = 1) -> Hardware:
-    """Device models for every device type of a cluster (types that cannot run `precision` left out)."""
+                   profile: Profile | None = None, emulate: bool = False, num_ranks: int = 1,
+                   cores: int = 1) -> Hardware:
+    """Device models for every device type of a cluster (types that cannot run `precision` left out).
+    Emulated: `num_ranks` local processes on a host with `cores` cores."""
     if not emulate:
         models = {name: m for name, spec in device_types.items()
                   if (m := device_model(spec, precision, profile)) is not None}
         return Hardware(devices=models, inter_node_gb_per_s=inter_node_gb_per_s)
-    local = emulated_device(precision, profile=profile, num_ranks=num_ranks)
+    threads = threads_per_process(cores, num_ranks)
+    local = emulated_device(precision, profile=profile, num_ranks=num_ranks, cores=cores)
     models = {name: replace(local, name=name, vendor=spec.vendor) for name, spec in device_types.items()}
     return Hardware(devices=models, inter_node_gb_per_s=local.intra_node_gb_per_s,
-                    inter_latency_s=local.intra_latency_s, emulate=True)
+                    inter_latency_s=local.intra_latency_s, emulate=True, cores=max(1, cores),
+                    threads_per_rank=threads)
 
 
-def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int) -> DeviceModel:
-    """The local CPU (profiled, else the catalog `cpu` entry) as seen by one of `num_ranks` ranks."""
+def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, cores: int) -> DeviceModel:
+    """One of `num_ranks` local CPU processes on a `cores`-core host, as if it ran alone with its threads
+    (sharing the cores with the other ranks is left to the pipeline simulation)."""
     from heteroflow.devices.catalog import CATALOG
     base = device_model(CATALOG["cpu"], precision)
     assert base is not None
-    ranks = max(1, num_ranks)
+    ranks, cores = max(1, num_ranks), max(1, cores)
+    threads = threads_per_process(cores, ranks)
     memory_gib = base.memory_gib
     base = replace(base, host_memory_gb_per_s=base.hbm_gb_per_s)  # CPU Adam runs on the same cores
     if profile is not None and profile.devices:
         measured = profile.device("cpu") or profile.devices[0]
         base = _apply_measurements(replace(base, measured=measured), measured, profile)
-        if profile.host.memory_gib:
-            memory_gib = profile.host.memory_gib / ranks
-    # Ranks share the cores and the memory bus: each gets 1/ranks of the measured rates.
-    return replace(base, memory_gib=memory_gib, share=1.0 / ranks,
-                   hbm_gb_per_s=base.hbm_gb_per_s / ranks, host_link_gb_per_s=base.hbm_gb_per_s / ranks,
-                   host_memory_gb_per_s=base.host_memory_gb_per_s / ranks)
+    if profile is not None and profile.host.memory_gib:
+        memory_gib = profile.host.memory_gib / ranks  # the ranks share the host's memory
+    thread = profile.cpu_thread if profile is not None else None
+    if thread is not None and thread.gemm_tflops.get(precision) and thread.elementwise_gb_per_s > 0:
+        gemm = thread.gemm_tflops[precision]
+        overhead = ((thread.block_forward_overhead_s, thread.block_backward_overhead_s)
+                    if thread.block_forward_overhead_s > 0 and thread.block_backward_overhead_s > 0 else None)
+        one = replace(base, memory_gib=memory_gib, share=1.0,
+                      measured=DeviceProfile(device_type="cpu", vendor="cpu", gemm_tflops={precision: gemm}),
+                      peak_tflops=max(r for _, r in gemm), hbm_gb_per_s=thread.elementwise_gb_per_s,
+                      attention_tflops=thread.attention_tflops.get(precision, ()), block_overhead_s=overhead)
+        # The rank's threads times one thread's rates (kernels assumed to scale), at the in-block level.
+        speed = threads / in_block_slowdown(one, thread, precision)
+        bandwidth = thread.elementwise_gb_per_s * speed
+        return replace(one, share=speed, hbm_gb_per_s=bandwidth, host_link_gb_per_s=bandwidth,
+                       host_memory_gb_per_s=bandwidth)
+    # Whole-machine rates (measured, or the catalog's): each thread gets 1/cores of them.
+    fraction = threads / cores
+    return replace(base, memory_gib=memory_gib, share=fraction,
+                   hbm_gb_per_s=base.hbm_gb_per_s * fraction, host_link_gb_per_s=base.hbm_gb_per_s * fraction,
+                   host_memory_gb_per_s=base.host_memory_gb_per_s * fraction)
+
+
+def in_block_slowdown(one_thread: DeviceModel, thread: ThreadProfile, precision: str) -> float:
+    """How much slower the kernels of heteroflow's real block ran than `one_thread`'s rates (from the curves)
+    predict, at the profile's reference shape: measured block time less the fixed per-block overhead, over
+    the predicted GEMM, attention and elementwise time. Kernels timed alone reuse warm buffers; inside a
+    training step they also touch fresh activations and miss caches. 1.0 when the profile has no reference."""
+    from heteroflow.config.model import ModelSpec
+    from heteroflow.stagemap.compute import layer_forward
+    measured = thread.reference_block_s.get(precision)
+    shape = dict(thread.reference_block_shape)
+    if not measured or len(shape) != len(REFERENCE_SHAPE_KEYS):
+        return 1.0
+    batch = shape.pop("micro_batch_size")
+    spec = ModelSpec(num_layers=1, vocab_size=16, **shape)
+    lc = layer_forward(spec, one_thread, tokens=batch * spec.seq_length, tp=1, sp=False,
+                       dtype_bytes=4 if precision == "fp32" else 2)
+    predicted = 3 * lc.gemm_s + lc.attention_s + lc.attention_backward_s + 3 * lc.elementwise_s
+    kernels = sum(measured) - lc.overhead_s - lc.overhead_backward_s
+    return kernels / predicted if kernels > 0 and predicted > 0 else 1.0

@@ -3,8 +3,10 @@
 - GEMM throughput of square n x n x n matmuls over sizes and dtypes, on the local device;
 - device memory bandwidth (a large copy) and the device-host link (pinned copies; the same copy on CPU);
 - the cost of one small kernel (launch and dispatch overhead);
+- one host CPU thread running heteroflow's code (`cpu_thread`, what an emulated rank uses; see
+  `measure_thread`);
 - the link between two local processes over the backend in use (gloo on CPU, nccl with two GPUs), in a
-  child process pair on a free port, with a timeout;
+  child process pair on a free port, with a timeout (fastest round trips: waiting for a core is not the link);
 - sequential disk write and read with O_DIRECT (aligned buffers), falling back to fsync + dropping the
   page cache where the file system refuses O_DIRECT (the profile says which).
 """
@@ -20,7 +22,8 @@ import time
 from heteroflow.errors import UserError
 from heteroflow.stagemap.profile import DeviceProfile, DiskProfile, HostProfile, LinkProfile, Profile
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PROFILE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""Precisions the profile measures, and their torch dtype names."""
 
 
 def measure_profile(*, quick: bool = False, device_type: str | None = None, disk_dir: str | None = None,
@@ -33,8 +36,8 @@ def measure_profile(*, quick: bool = False, device_type: str | None = None, disk
     dtype_name, vendor = _device_type(device_type, name, cuda)
     sizes = (64, 128, 256) if quick else (256, 512, 1024, 2048, 4096) if cuda else (128, 256, 512, 1024, 2048)
     budget = 0.02 if quick else 0.25
-    gemm = {prec: tuple((n, _gemm_tflops(torch, device, n, getattr(torch, dt), budget)) for n in sizes)
-            for prec, dt in _DTYPES.items()}
+    gemm = {prec: tuple((n, square_gemm_tflops(torch, device, n, getattr(torch, dt), budget)) for n in sizes)
+            for prec, dt in PROFILE_DTYPES.items()}
     copy_mib = 16 if quick else 256
     memory_gb_per_s = _copy_gb_per_s(torch, device, copy_mib, budget)
     host_gb_per_s = _host_link_gb_per_s(torch, copy_mib, budget) if cuda else memory_gb_per_s
@@ -47,7 +50,9 @@ def measure_profile(*, quick: bool = False, device_type: str | None = None, disk
                        memory_gb_per_s=host_mem)
     link_profile = _measure_link(cuda and torch.cuda.device_count() >= 2, 4 if quick else 64, link_timeout_s) if link else None
     disk = _measure_disk(disk_dir or tempfile.gettempdir(), 16 if quick else 256)
-    return Profile(host=host, devices=(dev,), link=link_profile, disk=disk)
+    from heteroflow.stagemap.measure_thread import measure_cpu_thread
+    cpu_thread = measure_cpu_thread(quick=quick)
+    return Profile(host=host, devices=(dev,), link=link_profile, disk=disk, cpu_thread=cpu_thread)
 
 
 def _cpu_name() -> str:
@@ -78,17 +83,17 @@ def _device_type(given: str | None, name: str, cuda: bool) -> tuple[str, str]:
                     "(see `heteroflow devices --catalog`)")
 
 
-def _timed(fn, budget_s: float, sync) -> float:
-    """Seconds per call of `fn`, repeated for about `budget_s` after a warm-up."""
+def time_calls(fn, budget_s: float, sync, clock=time.perf_counter) -> float:
+    """Seconds (of `clock`) per call of `fn`, repeated for about `budget_s` after a warm-up."""
     fn()
     sync()
-    calls, start = 0, time.perf_counter()
+    calls, start = 0, clock()
     while True:
         fn()
         calls += 1
         if calls % 2 == 0:
             sync()
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if elapsed >= budget_s:
                 return elapsed / calls
 
@@ -97,24 +102,25 @@ def _sync(torch, device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def _gemm_tflops(torch, device, n: int, dtype, budget_s: float) -> float:
+def square_gemm_tflops(torch, device, n: int, dtype, budget_s: float, clock=time.perf_counter) -> float:
+    """TFLOP/s of an n x n x n matmul (timed with `clock`)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _timed(lambda: torch.mm(a, b), budget_s, _sync(torch, device))
+    seconds = time_calls(lambda: torch.mm(a, b), budget_s, _sync(torch, device), clock)
     return 2.0 * n ** 3 / seconds / 1e12
 
 
 def _copy_gb_per_s(torch, device, mib: int, budget_s: float) -> float:
     src = torch.empty(mib << 18, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = _timed(lambda: dst.copy_(src), budget_s, _sync(torch, device))
+    seconds = time_calls(lambda: dst.copy_(src), budget_s, _sync(torch, device))
     return 2.0 * src.numel() * 4 / seconds / 1e9  # read + write
 
 
 def _host_link_gb_per_s(torch, mib: int, budget_s: float) -> float:
     host = torch.empty(mib << 18, dtype=torch.float32).pin_memory()
     dev = torch.empty(mib << 18, dtype=torch.float32, device="cuda:0")
-    seconds = _timed(lambda: dev.copy_(host, non_blocking=True), budget_s, lambda: torch.cuda.synchronize())
+    seconds = time_calls(lambda: dev.copy_(host, non_blocking=True), budget_s, lambda: torch.cuda.synchronize())
     return host.numel() * 4 / seconds / 1e9
 
 
@@ -151,7 +157,8 @@ def _free_port() -> int:
 
 
 def _measure_link(nccl: bool, mib: int, timeout_s: float) -> LinkProfile:
-    """Ping-pong between two local processes: latency from 4-byte messages, bandwidth from `mib` MiB."""
+    """Ping-pong between two local processes: latency from 4-byte messages, bandwidth from `mib` MiB; and
+    all-reduces of the same two buffers (collectives pay more per byte and per step than point-to-point)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -170,8 +177,9 @@ def _measure_link(nccl: bool, mib: int, timeout_s: float) -> LinkProfile:
             p.kill()
     if result is None or isinstance(result, str):
         raise UserError(f"link measurement between two local processes failed: {result or 'timed out'}")
-    backend, gb_per_s, latency_s = result
-    return LinkProfile(backend=backend, gb_per_s=gb_per_s, latency_s=latency_s)
+    backend, gb_per_s, latency_s, reduce_gb_per_s, reduce_latency_s = result
+    return LinkProfile(backend=backend, gb_per_s=gb_per_s, latency_s=latency_s, allreduce_gb_per_s=reduce_gb_per_s,
+                       allreduce_latency_s=reduce_latency_s)
 
 
 def _link_worker(rank: int, port: int, nccl: bool, mib: int, queue) -> None:
@@ -188,24 +196,47 @@ def _link_worker(rank: int, port: int, nccl: bool, mib: int, queue) -> None:
         big = torch.zeros(mib << 18, device=device)
 
         def ping(t: torch.Tensor, rounds: int) -> float:
-            start = time.perf_counter()
+            """One-way seconds: the fastest of `rounds` round trips, halved. The fastest, because on a
+            shared machine the others wait for a core, which is not the link's cost."""
+            best = float("inf")
             for _ in range(rounds):
+                start = time.perf_counter()
                 if rank == 0:
                     dist.send(t, 1)
                     dist.recv(t, 1)
                 else:
                     dist.recv(t, 0)
                     dist.send(t, 0)
-            if nccl:
-                torch.cuda.synchronize()
-            return (time.perf_counter() - start) / (2 * rounds)
+                if nccl:
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+            return best / 2
+
+        def all_reduce(t: torch.Tensor, rounds: int) -> float:
+            """The fastest of `rounds` two-process all-reduces of `t` (each after a barrier)."""
+            best = float("inf")
+            for _ in range(rounds):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(t)
+                if nccl:
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+            return best
 
         ping(small, 5)
         latency = ping(small, 50)
         ping(big, 1)
-        one_way = ping(big, 3)
+        one_way = ping(big, 5)
+        # A ring all-reduce over 2 ranks is 2 steps of half the buffer: t = bytes / bw + 2 latency. A quarter
+        # of the big buffer: collectives of activations and gradient buckets are MBs, not 64 MiB.
+        mid = big[: big.numel() // 4]
+        all_reduce(small, 5)
+        reduce_small = all_reduce(small, 50)
+        reduce_mid = all_reduce(mid, 5)
         if rank == 0:
-            queue.put((backend, big.numel() * 4 / max(one_way - latency, 1e-9) / 1e9, latency))
+            queue.put((backend, big.numel() * 4 / max(one_way - latency, 1e-9) / 1e9, latency,
+                       mid.numel() * 4 / max(reduce_mid - reduce_small, 1e-9) / 1e9, reduce_small / 2))
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # the parent reports it as a user-facing failure

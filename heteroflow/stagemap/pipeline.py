@@ -14,6 +14,11 @@ Closed form (derived from the schedule's dependency graph; it equals the simulat
     cand_j = A_j + (m - w_j - 1)(F_j + B_j) + D_j       if m - w_j - 1 >= 1,
     cand_j = A_j + sum_{l<=j} B_l + (m-1) max_{l<=j} B_l  otherwise (stage j runs all forwards first).
   cand_j is the longest path that spends the steady state on stage j.
+
+Shared cores (emulation: every rank a local process): `simulate_shared` runs the same schedule when the
+stages' threads share a few cores. F and B are then each operation's time with its threads to itself; while
+n threads are busy in all, each runs at min(1, cores / n) of its speed (processor sharing, what the OS
+scheduler approximates). Ranks waiting for a neighbour use no core. With enough cores it equals `simulate`.
 """
 
 from __future__ import annotations
@@ -135,3 +140,58 @@ def simulate(compute_f: list[float], compute_b: list[float], recv: list[float], 
                 progressed = True
     assert all(position[k] == len(orders[k]) for k in range(p)), "schedule deadlocked"
     return max(free), events
+
+
+def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads: list[int],
+                    cores: int) -> float:
+    """Makespan of one step's forward and backward passes when stage k keeps `threads[k]` threads busy while
+    it computes and all stages share `cores` cores (see the module docstring). F and B include the
+    receiver-paid transfer, as in `pipeline_time`."""
+    p = len(F)
+    orders = [stage_order(p, k, m, schedule) for k in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    position = [0] * p
+    left: list[float | None] = [None] * p
+    """Seconds at full speed left of the operation stage k is running; None while it waits."""
+    now = 0.0
+    while True:
+        for k in range(p):
+            if left[k] is None and position[k] < len(orders[k]):
+                kind, i = orders[k][position[k]]
+                if kind == "F":
+                    ready = k == 0 or ("F", k - 1, i) in done
+                else:
+                    ready = ("F", k, i) in done if k == p - 1 else ("B", k + 1, i) in done
+                if ready:
+                    left[k] = F[k] if kind == "F" else B[k]
+        running = [k for k in range(p) if left[k] is not None]
+        if not running:
+            break
+        speed = min(1.0, cores / sum(threads[k] for k in running))
+        step = min(left[k] for k in running)
+        now += step / speed
+        for k in running:
+            left[k] -= step
+            if left[k] <= 1e-12 * max(1.0, step):
+                kind, i = orders[k][position[k]]
+                done[(kind, k, i)] = now
+                position[k] += 1
+                left[k] = None
+    assert all(position[k] == len(orders[k]) for k in range(p)), "schedule deadlocked"
+    return now
+
+
+def shared_makespan(durations: list[float], *, threads: list[int], cores: int) -> float:
+    """When independent jobs that start together end, job k taking `durations[k]` with its `threads[k]`
+    threads to itself and all of them sharing `cores` cores (processor sharing)."""
+    left = [d for d in durations]
+    running = [k for k, d in enumerate(left) if d > 0]
+    now = 0.0
+    while running:
+        speed = min(1.0, cores / sum(threads[k] for k in running))
+        step = min(left[k] for k in running)
+        now += step / speed
+        for k in running:
+            left[k] -= step
+        running = [k for k in running if left[k] > 1e-12 * max(1.0, step)]
+    return now

@@ -2,13 +2,15 @@
 
 A job names a profile with `cluster.profile: FILE.yaml`; for every cluster device type that the profile
 measured (matched by name), the cost model uses the measured GEMM curve, memory bandwidth, links and disk
-instead of catalog figures and the documented efficiency curve.
+instead of catalog figures and the documented efficiency curve. The `cpu_thread` section describes one host
+CPU thread running heteroflow's own code; it prices the ranks of `train --emulate` (local CPU processes).
+Its figures are timed in thread CPU time, so other jobs' load on a shared machine does not count.
 
 File format (one top-level `profile:` mapping):
 
 ```yaml
 profile:
-  version: 1
+  version: 2
   host: {name: dev-box, cpu_cores: 2, memory_gib: 24.0, memory_gb_per_s: 11.2}
   devices:
     - device_type: cpu                 # the cluster device type these numbers describe
@@ -21,7 +23,19 @@ profile:
       gemm_tflops:                     # square n x n x n matmuls: [[n, TFLOP/s], ...]
         fp32: [[256, 0.05], [1024, 0.2]]
         bf16: [[256, 0.03], [1024, 0.11]]
-  link: {backend: gloo, gb_per_s: 1.4, latency_s: 4.0e-05}   # two local processes
+  cpu_thread:                          # one CPU thread (version 2; a version 1 file has none)
+    gemm_tflops: {fp32: [[16, 0.004], [128, 0.1], [1024, 0.12]], bf16: [...], fp16: [...]}
+    attention_tflops:                  # causal SDPA, [head_dim, forward, backward] TFLOP/s (see ThreadProfile)
+      fp32: [[16, 0.02, 0.009], [64, 0.04, 0.013]]
+    elementwise_gb_per_s: 14.0         # heteroflow's norms, RoPE, activation and adds, counted as compute.py counts
+    block_forward_overhead_s: 4.0e-04  # one decoder block at negligible size: Python, dispatch, autograd
+    block_backward_overhead_s: 5.0e-04
+    reference_block:                   # heteroflow's real block at one mid-size shape, parameter gradients too
+      shape: {hidden_size: 192, ffn_hidden_size: 512, num_attention_heads: 6, num_kv_heads: 2, seq_length: 128,
+              micro_batch_size: 3}
+      seconds: {fp32: [0.006, 0.011], bf16: [...], fp16: [...]}    # [forward, backward]
+  link: {backend: gloo, gb_per_s: 1.4, latency_s: 4.0e-05,    # two local processes, point to point
+         allreduce_gb_per_s: 1.7, allreduce_latency_s: 6.5e-05}   # and all-reduce (version 2)
   disk: {path: /tmp, read_gb_per_s: 1.9, write_gb_per_s: 1.1, direct_io: true}
 ```
 """
@@ -38,7 +52,28 @@ import yaml
 from heteroflow.config.device import PRECISIONS, VENDORS
 from heteroflow.config.reader import Problems, Section
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+"""2 added `cpu_thread` and the link's all-reduce figures; version 1 files (without them) are still read:
+emulation then shares the measured whole-machine figures between the ranks, and collectives use the
+point-to-point link figures."""
+ATTENTION_PROBE_SEQ = 256
+"""Sequence length of the attention measurement."""
+REFERENCE_SHAPE_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "seq_length",
+                        "micro_batch_size")
+
+
+def curve_rate(curve: tuple[tuple[float, ...], ...], dim: float, column: int = 1) -> float:
+    """The rate in `column` of a curve of (size, rate, ...) points at `dim`: interpolated in log(size), the
+    largest size's rate above it, and falling off linearly below the smallest size (fixed costs dominate)."""
+    if dim <= curve[0][0]:
+        return curve[0][column] * max(dim, 1.0) / curve[0][0]
+    if dim >= curve[-1][0]:
+        return curve[-1][column]
+    for lo, hi in zip(curve, curve[1:]):
+        if lo[0] <= dim <= hi[0]:
+            x = (math.log(dim) - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+            return lo[column] + x * (hi[column] - lo[column])
+    return curve[-1][column]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,17 +105,35 @@ class DeviceProfile:
     def gemm_rate_tflops(self, precision: str, dim: float) -> float | None:
         """Measured TFLOP/s for a GEMM whose smallest dimension is `dim` (log-linear, clamped)."""
         curve = self.gemm_tflops.get(precision)
-        if not curve:
-            return None
-        if dim <= curve[0][0]:
-            return curve[0][1] * max(dim, 1.0) / curve[0][0]  # below the smallest size: linear falloff
-        if dim >= curve[-1][0]:
-            return curve[-1][1]
-        for (n0, r0), (n1, r1) in zip(curve, curve[1:]):
-            if n0 <= dim <= n1:
-                x = (math.log(dim) - math.log(n0)) / (math.log(n1) - math.log(n0))
-                return r0 + x * (r1 - r0)
-        return curve[-1][1]
+        return curve_rate(curve, dim) if curve else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ThreadProfile:
+    """One host CPU thread running heteroflow's code: what an emulated rank with one thread gets.
+
+    Timed in thread CPU time (`time.thread_time`), so a loaded machine still measures what a core does.
+    """
+
+    gemm_tflops: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
+    """Per precision: (n, TFLOP/s) of n x n x n matmuls on one thread, n ascending."""
+    attention_tflops: dict[str, tuple[tuple[int, float, float], ...]] = field(default_factory=dict, hash=False)
+    """Per precision: (head_dim, forward, backward) of causal scaled-dot-product attention over
+    `ATTENTION_PROBE_SEQ` tokens. Both rates are the forward's FLOPs (2 s^2 d per head: the causal halves of
+    QK^T and PV) divided by the forward's, resp. the backward's, seconds."""
+    elementwise_gb_per_s: float = 0.0
+    """The rate at which heteroflow's block streams its elementwise bytes (norms, RoPE, activation, residual
+    adds, as `compute.elementwise_elements` counts them; the backward counted as twice the forward)."""
+    block_forward_overhead_s: float = 0.0
+    """Forward seconds of one decoder block whose tensors are tiny: Python, dispatch and autograd recording."""
+    block_backward_overhead_s: float = 0.0
+    """Backward seconds of that block: the autograd engine's per-node cost."""
+    reference_block_shape: dict[str, int] = field(default_factory=dict, hash=False)
+    """The shape (`REFERENCE_SHAPE_KEYS`) at which `reference_block_s` was measured."""
+    reference_block_s: dict[str, tuple[float, float]] = field(default_factory=dict, hash=False)
+    """Per precision: (forward, backward) seconds of one real block of that shape (parameter gradients included;
+    bf16 / fp16 forward under autocast, as the runtime runs it). Kernels inside a block run slower than alone
+    (fresh activations, cold caches, page faults); the cost model scales the curves' rates to match this."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +143,10 @@ class LinkProfile:
     backend: str = "gloo"
     gb_per_s: float = 0.0
     latency_s: float = 0.0
+    allreduce_gb_per_s: float = 0.0
+    """Ring all-reduce figures (0: not measured): over n ranks, 2(n-1)/n x bytes / allreduce_gb_per_s +
+    2(n-1) x allreduce_latency_s, fitted to two-process all-reduces of 4 bytes and of a large buffer."""
+    allreduce_latency_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,6 +167,7 @@ class Profile:
     devices: tuple[DeviceProfile, ...] = ()
     link: LinkProfile | None = None
     disk: DiskProfile | None = None
+    cpu_thread: ThreadProfile | None = None
     version: int = PROFILE_VERSION
 
     def device(self, device_type: str) -> DeviceProfile | None:
@@ -133,9 +191,24 @@ class Profile:
         if self.link is not None:
             out["link"] = {"backend": self.link.backend, "gb_per_s": _r(self.link.gb_per_s),
                            "latency_s": float(f"{self.link.latency_s:.4g}")}
+            if self.link.allreduce_gb_per_s:
+                out["link"].update(allreduce_gb_per_s=_r(self.link.allreduce_gb_per_s),
+                                   allreduce_latency_s=_r(self.link.allreduce_latency_s))
         if self.disk is not None:
             out["disk"] = {"path": self.disk.path, "read_gb_per_s": _r(self.disk.read_gb_per_s),
                            "write_gb_per_s": _r(self.disk.write_gb_per_s), "direct_io": self.disk.direct_io}
+        if self.cpu_thread is not None:
+            t = self.cpu_thread
+            out["cpu_thread"] = {
+                "gemm_tflops": {p: [[n, _r(r)] for n, r in c] for p, c in t.gemm_tflops.items()},
+                "attention_tflops": {p: [[d, _r(f), _r(b)] for d, f, b in c] for p, c in t.attention_tflops.items()},
+                "elementwise_gb_per_s": _r(t.elementwise_gb_per_s),
+                "block_forward_overhead_s": _r(t.block_forward_overhead_s),
+                "block_backward_overhead_s": _r(t.block_backward_overhead_s)}
+            if t.reference_block_s:
+                out["cpu_thread"]["reference_block"] = {
+                    "shape": dict(t.reference_block_shape),
+                    "seconds": {p: [_r(f), _r(b)] for p, (f, b) in t.reference_block_s.items()}}
         return out
 
 
@@ -180,22 +253,7 @@ def parse_profile(sec: Section, problems: Problems) -> Profile | None:
     devices = []
     for i, raw in enumerate(sec.sequence("devices", []) or []):
         d = Section(raw, f"{sec.at('devices')}[{i}]", problems)
-        gemm: dict[str, tuple[tuple[int, float], ...]] = {}
-        g = d.mapping("gemm_tflops", None)
-        if g is not None:
-            for prec in list(g.data):
-                pts = g.sequence(str(prec))
-                if str(prec) not in PRECISIONS:
-                    problems.add(g.at(str(prec)), f"unknown precision; expected one of {', '.join(PRECISIONS)}")
-                    continue
-                ok = isinstance(pts, list) and pts and all(
-                    isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and v > 0 for v in p)
-                    for p in pts)
-                if not ok:
-                    problems.add(g.at(str(prec)), "expected a non-empty list of [n, tflops] pairs of positive numbers")
-                    continue
-                gemm[str(prec)] = tuple(sorted((int(n), float(r)) for n, r in pts))
-            g.finish()
+        gemm = _curves(d, "gemm_tflops", ("n", "tflops"), problems)
         dev = dict(device_type=d.string("device_type"), vendor=d.string("vendor", "cpu", choices=VENDORS),
                    description=d.string("description", "") or "",
                    memory_gib=d.number("memory_gib", 0.0, minimum=0.0),
@@ -210,7 +268,9 @@ def parse_profile(sec: Section, problems: Problems) -> Profile | None:
     if ls is not None:
         link = LinkProfile(backend=ls.string("backend", "gloo") or "gloo",
                            gb_per_s=ls.number("gb_per_s", 0.0, minimum=0.0) or 0.0,
-                           latency_s=ls.number("latency_s", 0.0, minimum=0.0) or 0.0)
+                           latency_s=ls.number("latency_s", 0.0, minimum=0.0) or 0.0,
+                           allreduce_gb_per_s=ls.number("allreduce_gb_per_s", 0.0, minimum=0.0) or 0.0,
+                           allreduce_latency_s=ls.number("allreduce_latency_s", 0.0, minimum=0.0) or 0.0)
         ls.finish()
     disk = None
     ds = sec.mapping("disk", None)
@@ -219,7 +279,71 @@ def parse_profile(sec: Section, problems: Problems) -> Profile | None:
                            write_gb_per_s=ds.number("write_gb_per_s", 0.0, minimum=0.0) or 0.0,
                            direct_io=bool(ds.boolean("direct_io", False)))
         ds.finish()
+    cpu_thread = None
+    ts = sec.mapping("cpu_thread", None)
+    if ts is not None:
+        cpu_thread = ThreadProfile(
+            gemm_tflops=_curves(ts, "gemm_tflops", ("n", "tflops"), problems),
+            attention_tflops=_curves(ts, "attention_tflops", ("head_dim", "forward", "backward"), problems),
+            elementwise_gb_per_s=ts.number("elementwise_gb_per_s", 0.0, minimum=0.0) or 0.0,
+            block_forward_overhead_s=ts.number("block_forward_overhead_s", 0.0, minimum=0.0) or 0.0,
+            block_backward_overhead_s=ts.number("block_backward_overhead_s", 0.0, minimum=0.0) or 0.0,
+            **_reference_block(ts, problems))
+        ts.finish()
     sec.finish()
     if not sec.valid:
         return None
-    return Profile(host=host, devices=tuple(devices), link=link, disk=disk, version=version or PROFILE_VERSION)
+    return Profile(host=host, devices=tuple(devices), link=link, disk=disk, cpu_thread=cpu_thread,
+                   version=version or PROFILE_VERSION)
+
+
+def _reference_block(sec: Section, problems: Problems) -> dict:
+    """`reference_block_shape` and `reference_block_s` from `cpu_thread.reference_block` (absent: empty)."""
+    rb = sec.mapping("reference_block", None)
+    if rb is None:
+        return {}
+    shape: dict[str, int] = {}
+    sh = rb.mapping("shape")
+    if sh is not None:
+        for key in REFERENCE_SHAPE_KEYS:
+            value = sh.integer(key, minimum=1)
+            if value is not None:
+                shape[key] = value
+        sh.finish()
+    seconds: dict[str, tuple[float, float]] = {}
+    for prec, (f, b) in _curves(rb, "seconds", ("forward", "backward"), problems, sized=False).items():
+        seconds[prec] = (f, b)
+    rb.finish()
+    return {"reference_block_shape": shape, "reference_block_s": seconds}
+
+
+def _curves(sec: Section, key: str, columns: tuple[str, ...], problems: Problems, *,
+            sized: bool = True) -> dict[str, tuple]:
+    """Per precision, a list of points `[size, rate, ...]` of positive numbers, sorted by size; with
+    `sized=False`, one list of `columns` numbers instead."""
+    out: dict[str, tuple] = {}
+    g = sec.mapping(key, None)
+    if g is None:
+        return out
+    for prec in list(g.data):
+        pts = g.sequence(str(prec))
+        if str(prec) not in PRECISIONS:
+            problems.add(g.at(str(prec)), f"unknown precision; expected one of {', '.join(PRECISIONS)}")
+            continue
+        if not sized:
+            ok = isinstance(pts, list) and len(pts) == len(columns) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in pts)
+            if not ok:
+                problems.add(g.at(str(prec)), f"expected [{', '.join(columns)}], positive numbers")
+                continue
+            out[str(prec)] = tuple(float(v) for v in pts)
+            continue
+        ok = isinstance(pts, list) and pts and all(
+            isinstance(p, list) and len(p) == len(columns)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in p) for p in pts)
+        if not ok:
+            problems.add(g.at(str(prec)), f"expected a non-empty list of [{', '.join(columns)}] lists of positive numbers")
+            continue
+        out[str(prec)] = tuple(sorted((int(p[0]), *(float(v) for v in p[1:])) for p in pts))
+    g.finish()
+    return out

@@ -117,13 +117,15 @@ def test_a_profile_replaces_catalog_figures():
     assert other.intra_node_gb_per_s == CATALOG["ascend-910b2"].intra_node_gb_per_s
 
 
-def test_emulation_prices_every_rank_as_a_share_of_the_host():
+def test_emulation_prices_every_rank_as_its_threads_share_of_the_host():
     types = {name: CATALOG[name] for name in ("nvidia-a100-80g", "ascend-910b2")}
-    alone = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=1)
-    eight = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=8)
+    alone = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=1, cores=2)
+    eight = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=8, cores=2)
     a, b = alone.devices["nvidia-a100-80g"], eight.devices["ascend-910b2"]
     assert a.peak_tflops == b.peak_tflops == CATALOG["cpu"].tflops_fp32
-    assert b.gemm_tflops(1024) == pytest.approx(a.gemm_tflops(1024) / 8)
+    # One rank runs both threads; eight get one thread each (the pipeline simulation shares the two cores).
+    assert (alone.threads_per_rank, eight.threads_per_rank, eight.cores) == (2, 1, 2)
+    assert b.gemm_tflops(1024) == pytest.approx(a.gemm_tflops(1024) / 2)
     assert b.vendor == "ascend"  # vendor labels still choose the boundary transport in the runtime
     assert replace(b, share=1.0).gemm_tflops(1024) == pytest.approx(a.gemm_tflops(1024))
 

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from heteroflow.stagemap.pipeline import in_flight, pipeline_time, simulate, stage_order
+from heteroflow.stagemap.pipeline import (in_flight, pipeline_time, shared_makespan, simulate, simulate_shared,
+                                          stage_order)
 
 
 def _random_case(rng: random.Random):
@@ -65,3 +66,49 @@ def test_simulator_events_cover_every_operation_once():
         spans = sorted((e.start_s, e.end_s) for e in events if e.stage == k)
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
     assert makespan == max(e.end_s for e in events)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_shared_cores_with_a_core_per_thread_give_the_closed_form(schedule):
+    rng = random.Random(7 + len(schedule))
+    for _ in range(300):
+        _, _, _, F, B, m = _random_case(rng)
+        threads = [rng.randint(1, 4) for _ in F]
+        shared = simulate_shared(F, B, m, schedule, threads=threads, cores=sum(threads))
+        assert shared == pytest.approx(pipeline_time(F, B, m, schedule), rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_shared_cores_bound_the_step_by_the_work_and_more_cores_never_hurt(schedule):
+    rng = random.Random(11 + len(schedule))
+    for _ in range(200):
+        _, _, _, F, B, m = _random_case(rng)
+        threads = [rng.randint(1, 3) for _ in F]
+        work = sum(t * m * (f + b) for t, f, b in zip(threads, F, B))
+        alone = pipeline_time(F, B, m, schedule)
+        previous = float("inf")
+        for cores in range(1, sum(threads) + 1):
+            shared = simulate_shared(F, B, m, schedule, threads=threads, cores=cores)
+            assert shared >= max(alone, work / cores) * (1 - 1e-9)
+            assert shared <= previous * (1 + 1e-9)
+            previous = shared
+
+
+def test_one_thread_per_stage_on_one_core_runs_the_whole_work_back_to_back():
+    # Some operation is always ready until the step ends, so a single core never idles.
+    F, B, m = [1.0, 2.0, 0.5], [2.0, 3.0, 1.5], 4
+    for schedule in ("1f1b", "gpipe"):
+        assert simulate_shared(F, B, m, schedule, threads=[1, 1, 1], cores=1) == pytest.approx(m * (sum(F) + sum(B)))
+
+
+def test_one_oversubscribed_stage_runs_at_cores_over_threads():
+    assert simulate_shared([1.0], [2.0], 3, "1f1b", threads=[4], cores=2) == pytest.approx(3 * 3.0 * 2)
+
+
+def test_shared_makespan_by_hand():
+    assert shared_makespan([1.0, 2.0], threads=[1, 1], cores=1) == pytest.approx(3.0)
+    assert shared_makespan([1.0, 2.0], threads=[1, 1], cores=2) == pytest.approx(2.0)
+    # 3 threads on 2 cores run at 2/3 until the first job's second of work is done (t = 1.5), then the last
+    # second of the other job runs alone at full speed.
+    assert shared_makespan([1.0, 2.0], threads=[2, 1], cores=2) == pytest.approx(2.5)
+    assert shared_makespan([0.0, 0.0], threads=[1, 1], cores=1) == 0.0
