@@ -87,9 +87,10 @@ def _watch(procs: list, logs: list[Path], timeout_s: float) -> None:
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             _stop(procs)
-            first = failed[0]
-            raise MultiprocError(f"rank {first} failed (exit code {codes[first]}); stopped the other ranks. "
-                                 + _status(procs), _outputs(logs))
+            # Every rank already down is named: a rank that failed only because a peer died (its
+            # collective broke) may have exited before the harness looked, as well as the peer.
+            failures = "; ".join(f"rank {r} failed (exit code {codes[r]})" for r in failed)
+            raise MultiprocError(f"{failures}; stopped the other ranks. " + _status(procs), _outputs(logs))
         if all(c == 0 for c in codes):
             return
         if time.monotonic() > deadline:
