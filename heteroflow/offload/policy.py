@@ -24,6 +24,10 @@ DEFAULT_RESERVE_FRACTION = 0.05
 GIB = 2**30
 
 
+def default_swap_root(explicit: str | None = None) -> str:
+    """Where swap directories go: `explicit` (train.offload_dir), else $HETEROFLOW_SWAP_DIR, else the temp dir."""
+    return explicit or os.environ.get(SWAP_DIR_ENV) or tempfile.gettempdir()
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadPolicy:
     """Where one rank of a stage keeps its training state, and how much device memory it may use."""
@@ -70,7 +74,7 @@ class OffloadPolicy:
         off = stage.offload
         root = None
         if "ssd" in (off.optimizer, off.params):
-            root = swap_root or os.environ.get(SWAP_DIR_ENV) or tempfile.gettempdir()
+            root = default_swap_root(swap_root)
         return cls(optimizer=off.optimizer, params=off.params, activations=off.activations,
                    device_budget_bytes=budget, swap_root=root, **overrides)  # type: ignore[arg-type]
 

@@ -77,9 +77,9 @@ def check_offload_stage(k: int, stage: StageSpec) -> None:
 def stage_policy(job: JobConfig, stage: StageSpec) -> OffloadPolicy:
     """The offload policy of every rank of `stage`: its tiers, its device budget and the swap root."""
     from heteroflow.offload.policy import OffloadPolicy
+    from heteroflow.runtime.offload_swap import swap_root
 
-    root = job.resolve_path(job.train.offload_dir) if job.train.offload_dir else None
-    return OffloadPolicy.from_stage(stage, cluster=job.cluster, swap_root=root)
+    return OffloadPolicy.from_stage(stage, cluster=job.cluster, swap_root=swap_root(job))
 
 
 class OffloadedAdamW:

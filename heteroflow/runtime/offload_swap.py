@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,11 +25,9 @@ def checkpoint_dirs(job: JobConfig) -> list[str]:
 
 def swap_root(job: JobConfig) -> str:
     """The directory under which SSD-tier ranks make their swap directories."""
-    from heteroflow.offload.policy import SWAP_DIR_ENV
+    from heteroflow.offload.policy import default_swap_root
 
-    if job.train.offload_dir:
-        return job.resolve_path(job.train.offload_dir)
-    return os.environ.get(SWAP_DIR_ENV) or tempfile.gettempdir()
+    return default_swap_root(job.resolve_path(job.train.offload_dir) if job.train.offload_dir else None)
 
 
 def swap_bytes(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> int:
