@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from heteroflow.devices import Device  # noqa: E402
 from heteroflow.offload.aio import deepspeed_aio_module, open_engine  # noqa: E402
+from heteroflow.offload.measure import engine_throughput  # noqa: E402
 from heteroflow.offload.store import TieredStore  # noqa: E402
 from heteroflow.offload.swap import SwapDir  # noqa: E402
 
@@ -50,23 +51,11 @@ def engine_rate(directory: str, kind: str, nbytes: int, chunk: int, in_flight: i
     """(write GB/s, read GB/s, which) of the bare engine cycling `in_flight` buffers over one file."""
     engine = open_engine(directory, prefer=kind, max_in_flight=in_flight)
     try:
-        path = os.path.join(directory, f"engine-{kind}.swp")
         buffers = [engine.alloc(chunk) for _ in range(in_flight)]
         for b in buffers:
             b.fill_(0x5A)
-        rates = []
-        for submit in (engine.write, engine.read):
-            pending: list = []
-            start = time.perf_counter()
-            for k, offset in enumerate(range(0, nbytes, chunk)):
-                if len(pending) == in_flight:
-                    pending.pop(0).wait()
-                pending.append(submit(buffers[k % in_flight], path, offset))
-            for request in pending:
-                request.wait()
-            rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-        os.unlink(path)
-        return rates[0], rates[1], engine.which
+        write, read = engine_throughput(engine, os.path.join(directory, f"engine-{kind}.swp"), buffers, nbytes)
+        return write, read, engine.which
     finally:
         engine.close()
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from heteroflow.offload.aio import open_engine
+from heteroflow.offload.aio import IOEngine, open_engine
 from heteroflow.offload.optimizer import StreamedAdamW
 from heteroflow.offload.store import TieredStore
 from heteroflow.offload.swap import SwapDir
@@ -36,6 +36,24 @@ class OffloadBandwidths:
         return asdict(self)
 
 
+def engine_throughput(engine: IOEngine, path: str, buffers: list[torch.Tensor], nbytes: int) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of `engine` writing then reading `nbytes` of `path` in chunks of one buffer,
+    cycling `buffers` with at most one request per buffer outstanding, as the SSD tier does; removes `path`."""
+    chunk, in_flight = buffers[0].numel(), len(buffers)
+    rates = []
+    for submit in (engine.write, engine.read):
+        pending: list = []
+        start = time.perf_counter()
+        for k, offset in enumerate(range(0, nbytes, chunk)):
+            if len(pending) == in_flight:
+                pending.pop(0).wait()
+            pending.append(submit(buffers[k % in_flight], path, offset))
+        for request in pending:
+            request.wait()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    os.unlink(path)
+    return rates[0], rates[1]
+
 def measure_offload(directory: str, *, nbytes: int = 512 << 20, chunk_bytes: int = 64 << 20,
                     max_in_flight: int = 3, adam_params: int = 1 << 24) -> OffloadBandwidths:
     """Measure disk write/read (in a scratch directory under `directory`), host copies and CPU Adam."""
@@ -46,20 +64,8 @@ def measure_offload(directory: str, *, nbytes: int = 512 << 20, chunk_bytes: int
         swap.check_free(nbytes)
         engine = open_engine(str(swap.path), max_in_flight=max_in_flight)
         try:
-            path = str(swap.path / "measure.swp")
             buffers = [engine.alloc(chunk_bytes) for _ in range(max_in_flight)]
-            rates = []
-            for submit in (engine.write, engine.read):
-                pending: list = []
-                start = time.perf_counter()
-                for k, offset in enumerate(range(0, nbytes, chunk_bytes)):
-                    if len(pending) == max_in_flight:
-                        pending.pop(0).wait()
-                    pending.append(submit(buffers[k % max_in_flight], path, offset))
-                for request in pending:
-                    request.wait()
-                rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-            os.unlink(path)
+            rates = engine_throughput(engine, str(swap.path / "measure.swp"), buffers, nbytes)
             io_path = engine.which
         finally:
             engine.close()
