@@ -36,27 +36,10 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from heteroflow.devices import Device  # noqa: E402
 from heteroflow.offload import DeviceBudget, DeviceBudgetExceeded, OffloadPolicy, StageOffload  # noqa: E402
+from heteroflow.testing.blocks import make_blocks  # noqa: E402
 
 MIB = 2**20
 LR = 1e-4  # small enough that a 72-block residual stack's loss falls step by step
-
-
-class Block(nn.Module):
-    """Pre-norm residual MLP block (8h^2 + 7h parameters), the FLOP- and byte-heavy half of a Transformer layer."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-def _blocks(num: int, hidden: int) -> nn.ModuleList:
-    torch.manual_seed(0)
-    return nn.ModuleList(Block(hidden) for _ in range(num))
 
 
 def _params(blocks: nn.Module) -> int:
@@ -70,7 +53,7 @@ def _batch(step: int, hidden: int, tokens: int) -> torch.Tensor:
 
 def train_on_device(num: int, hidden: int, tokens: int, steps: int, budget: DeviceBudget) -> list[float]:
     """No offload: everything charged to the device budget; returns the losses (raises past B)."""
-    blocks = _blocks(num, hidden)
+    blocks = make_blocks(num, hidden)
     param_bytes = 4 * _params(blocks)
     budget.charge(param_bytes, "params")
     budget.charge(param_bytes, "grads")
@@ -93,7 +76,7 @@ def train_on_device(num: int, hidden: int, tokens: int, steps: int, budget: Devi
 def train_on_ssd(num: int, hidden: int, tokens: int, steps: int, budget: DeviceBudget,
                  swap_root: str) -> tuple[list[float], float, dict]:
     """Params and optimizer on SSD; returns (losses, seconds per step, which paths ran)."""
-    blocks = _blocks(num, hidden)
+    blocks = make_blocks(num, hidden)
     policy = OffloadPolicy(optimizer="ssd", params="ssd", activations="cpu", swap_root=swap_root,
                            device_budget_bytes=budget.limit_bytes, max_in_flight=3)
     with StageOffload(policy, device=Device.cpu(), blocks=blocks, weight_decay=0.1, budget=budget) as offload:
