@@ -10,6 +10,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def problems(data: dict) -> list[str]:
+    """The `path: message` lines the strict loader reports for job `data`, or [] when it is valid."""
+    from heteroflow.config import parse_job
+    from heteroflow.errors import ConfigError
+
+    try:
+        parse_job(data)
+    except ConfigError as error:
+        return [str(p) for p in error.problems]
+    return []
+
+
 @pytest.fixture
 def write_yaml(tmp_path):
     """Write dedented YAML text to a file in tmp_path and return its path."""

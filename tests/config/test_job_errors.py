@@ -6,8 +6,9 @@ import copy
 
 import pytest
 
+from conftest import problems
 from heteroflow.config import load_job, parse_job
-from heteroflow.errors import ConfigError, UserError
+from heteroflow.errors import UserError
 
 GOOD = {
     "cluster": {
@@ -28,15 +29,6 @@ GOOD = {
         ],
     },
 }
-
-
-def problems(data: dict) -> list[str]:
-    """The `path: message` lines for a job, or [] when it is valid."""
-    try:
-        parse_job(data)
-    except ConfigError as error:
-        return [str(p) for p in error.problems]
-    return []
 
 
 def edited(**changes) -> dict:

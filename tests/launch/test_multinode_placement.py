@@ -6,10 +6,10 @@ import copy
 
 import pytest
 
+from conftest import problems
 from heteroflow.backends import RankMap
 from heteroflow.config import parse_job
 from heteroflow.devices.facade import visible_devices_variable
-from heteroflow.errors import ConfigError
 from heteroflow.runtime.nodes import (ENV_NODE, ENV_NODE_RANKS, ENV_VISIBLE, assigned_rank, node_environment,
                                       node_ranks, node_view, plan_nodes)
 
@@ -28,14 +28,6 @@ JOB = {
                                                {"devices": ["npu-0:0-1"], "layers": 2, "dp": 2},
                                                {"devices": ["gpu-0:1"], "layers": 1}]},
 }
-
-
-def problems(data: dict) -> list[str]:
-    try:
-        parse_job(data)
-    except ConfigError as error:
-        return [str(p) for p in error.problems]
-    return []
 
 
 def with_cluster(**changes) -> dict:
