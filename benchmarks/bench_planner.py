@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heteroflow.config import parse_job  # noqa: E402
-from heteroflow.config.plan import OffloadSpec  # noqa: E402
+from heteroflow.layout import OffloadSpec  # noqa: E402
 from heteroflow.stagemap import SearchOptions, search_plan  # noqa: E402
 from heteroflow.stagemap.exhaustive import Timeout, exhaustive_search, space_size  # noqa: E402
 

@@ -153,7 +153,7 @@ def reference_slowdown(profile) -> float:
 
 def describe(plan: BenchPlan, job) -> str:
     """Stages as tp/dp and layers, schedule, recompute, batch."""
-    stages = " | ".join(f"tp{s.tp} dp{s.dp} x{s.layers}" + (f" rc-{s.recompute}" if s.recompute != "none" else "")
+    stages = " | ".join(f"tp{s.layout.tp} dp{s.layout.dp} x{s.layers}" + (f" rc-{s.layout.recompute}" if s.layout.recompute != "none" else "")
                         for s in job.plan.stages)
     return (f"{stages}; {plan.schedule}, {job.plan.num_micro_batches(job.train)} x {plan.micro_batch_size} samples"
             f", hidden {job.model.hidden_size}")

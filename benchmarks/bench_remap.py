@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from heteroflow.backends.transport import DirectTransport, HostBridge  # noqa: E402
-from heteroflow.remap import Layout, box_volume, plan_transfer  # noqa: E402
+from heteroflow.remap import TensorLayout, box_volume, plan_transfer  # noqa: E402
 from heteroflow.remap.executor import RemapExecutor  # noqa: E402
 from heteroflow.remap.local import shard  # noqa: E402
 from heteroflow.testing import run_ranks  # noqa: E402
@@ -55,11 +55,11 @@ def parse_degrees(text: str) -> dict:
     return out
 
 
-def layouts(args) -> tuple[Layout, Layout]:
+def layouts(args) -> tuple[TensorLayout, TensorLayout]:
     src, dst = parse_degrees(args.src), parse_degrees(args.dst)
     n_src = src["tp"] * src["dp"]
-    return (Layout.activation(args.shape, ranks=range(n_src), **src),
-            Layout.activation(args.shape, ranks=range(n_src, n_src + dst["tp"] * dst["dp"]), **dst))
+    return (TensorLayout.activation(args.shape, ranks=range(n_src), **src),
+            TensorLayout.activation(args.shape, ranks=range(n_src, n_src + dst["tp"] * dst["dp"]), **dst))
 
 
 def _slowest(seconds: float) -> float:

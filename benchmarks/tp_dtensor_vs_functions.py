@@ -25,7 +25,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from heteroflow.config import PRESETS
-from heteroflow.models import StageLayout, build_stage_model, init_weights, parallelize_stage
+from heteroflow.layout import ParallelLayout
+from heteroflow.models import build_stage_model, init_weights, parallelize_stage
 
 
 def dtensor_tp(model, mesh, sp: bool) -> None:
@@ -62,7 +63,7 @@ def run(rank: int, world: int, store: str, args) -> None:
     ref_x = x.clone().requires_grad_()
     ref_out = _stage(spec)(ref_x)
     ref_out.backward(grad)
-    models = {"functions": parallelize_stage(_stage(spec), layout=StageLayout(tp=2, sp=args.sp), tp_group=group)}
+    models = {"functions": parallelize_stage(_stage(spec), layout=ParallelLayout(tp=2, sp=args.sp), tp_group=group)}
     dt = _stage(spec)
     dtensor_tp(dt, DeviceMesh.from_group(group, "cpu"), args.sp)
     models["dtensor"] = dt

@@ -14,7 +14,8 @@ from typing import Sequence
 from heteroflow.backends.vendor import boundary_kind, collective_backend
 from heteroflow.config.cluster import ClusterSpec
 from heteroflow.config.plan import PlanSpec
-from heteroflow.remap.layout import Layout
+from heteroflow.layout import ParallelLayout
+from heteroflow.remap.layout import TensorLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,14 +36,11 @@ class RankInfo:
 
 @dataclass(frozen=True, slots=True)
 class StageInfo:
-    """One stage's layout degrees, vendor and ranks."""
+    """One stage's layout, vendor and ranks."""
 
     index: int
     ranks: tuple[int, ...]
-    tp: int
-    cp: int
-    dp: int
-    sp: bool
+    layout: ParallelLayout
     device_type: str
     vendor: str
 
@@ -53,10 +51,11 @@ class StageInfo:
 
     def rank(self, *, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """Global rank at these indices."""
-        for name, value, size in (("dp", dp, self.dp), ("cp", cp, self.cp), ("tp", tp, self.tp)):
+        lay = self.layout
+        for name, value, size in (("dp", dp, lay.dp), ("cp", cp, lay.cp), ("tp", tp, lay.tp)):
             if not 0 <= value < size:
                 raise IndexError(f"stage {self.index}: {name} index {value} out of range 0..{size - 1}")
-        return self.ranks[(dp * self.cp + cp) * self.tp + tp]
+        return self.ranks[(dp * lay.cp + cp) * lay.tp + tp]
 
 
 class RankMap:
@@ -75,12 +74,12 @@ class RankMap:
         for k, stage in enumerate(plan.stages):
             vendor = cluster.device_types[stage.device_type].vendor
             n = stage.num_devices
-            assert n == stage.tp * stage.cp * stage.dp, "config/ checks tp * cp * dp == devices"
-            stages.append(StageInfo(index=k, ranks=tuple(range(first, first + n)), tp=stage.tp, cp=stage.cp,
-                                    dp=stage.dp, sp=stage.sp, device_type=stage.device_type, vendor=vendor))
+            assert n == stage.layout.num_devices, "config/ checks tp * cp * dp == devices"
+            stages.append(StageInfo(index=k, ranks=tuple(range(first, first + n)), layout=stage.layout,
+                                    device_type=stage.device_type, vendor=vendor))
             for local, ref in enumerate(stage.device_refs):
-                dp, rest = divmod(local, stage.cp * stage.tp)
-                cp, tp = divmod(rest, stage.tp)
+                dp, rest = divmod(local, stage.layout.cp * stage.layout.tp)
+                cp, tp = divmod(rest, stage.layout.tp)
                 infos.append(RankInfo(rank=first + local, stage=k, dp=dp, cp=cp, tp=tp, node=ref.node,
                                       local_device=ref.index, device_type=stage.device_type, vendor=vendor))
             first += n
@@ -119,29 +118,29 @@ class RankMap:
 
     def tp_groups(self, stage: int) -> list[tuple[int, ...]]:
         """Ranks of each tp group of `stage` (fixed dp, cp), in dp-then-cp order."""
-        s = self.stages[stage]
-        return [tuple(s.rank(dp=d, cp=c, tp=t) for t in range(s.tp)) for d in range(s.dp) for c in range(s.cp)]
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return [tuple(s.rank(dp=d, cp=c, tp=t) for t in range(lay.tp)) for d in range(lay.dp) for c in range(lay.cp)]
 
     def cp_groups(self, stage: int) -> list[tuple[int, ...]]:
         """Ranks of each cp group of `stage` (fixed dp, tp)."""
-        s = self.stages[stage]
-        return [tuple(s.rank(dp=d, cp=c, tp=t) for c in range(s.cp)) for d in range(s.dp) for t in range(s.tp)]
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return [tuple(s.rank(dp=d, cp=c, tp=t) for c in range(lay.cp)) for d in range(lay.dp) for t in range(lay.tp)]
 
     def dp_groups(self, stage: int) -> list[tuple[int, ...]]:
         """Ranks of each dp group of `stage` (fixed cp, tp): the ranks that hold the same weights."""
-        s = self.stages[stage]
-        return [tuple(s.rank(dp=d, cp=c, tp=t) for d in range(s.dp)) for c in range(s.cp) for t in range(s.tp)]
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return [tuple(s.rank(dp=d, cp=c, tp=t) for d in range(lay.dp)) for c in range(lay.cp) for t in range(lay.tp)]
 
-    def activation_layout(self, stage: int, shape: Sequence[int]) -> Layout:
+    def activation_layout(self, stage: int, shape: Sequence[int]) -> TensorLayout:
         """How `stage` holds a `[batch, seq, hidden]` activation of one micro-batch."""
-        s = self.stages[stage]
-        return Layout.activation(shape, ranks=s.ranks, dp=s.dp, tp=s.tp, cp=s.cp, sp=s.sp)
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return TensorLayout.activation(shape, ranks=s.ranks, dp=lay.dp, tp=lay.tp, cp=lay.cp, sp=lay.sp)
 
     def fanout_groups(self, stage: int) -> list[tuple[int, ...]]:
         """The replica sets of `stage`'s activations with more than one rank: each receives a piece once
         at a boundary and copies it to the others (its tp group, unless sequence parallel)."""
-        s = self.stages[stage]
-        probe = self.activation_layout(stage, (s.dp, s.cp * s.tp, 1))  # any shape the splits divide
+        lay = self.stages[stage].layout
+        probe = self.activation_layout(stage, (lay.dp, lay.cp * lay.tp, 1))  # any shape the splits divide
         return [ranks for _, ranks in probe.blocks() if len(ranks) > 1]
 
     def boundary_kind(self, stage: int) -> str:
@@ -153,7 +152,8 @@ class RankMap:
         lines = []
         for s in self.stages:
             lines.append(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]} {s.device_type} ({s.vendor}, "
-                         f"{s.backend}) tp={s.tp} cp={s.cp} dp={s.dp}{' sp' if s.sp else ''}")
+                         f"{s.backend}) tp={s.layout.tp} cp={s.layout.cp} dp={s.layout.dp}"
+                         f"{' sp' if s.layout.sp else ''}")
             if s.index + 1 < len(self.stages):
                 lines.append(f"  boundary {s.index}->{s.index + 1}: {self.boundary_kind(s.index)}")
         return "\n".join(lines)

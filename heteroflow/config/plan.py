@@ -1,7 +1,8 @@
 """`PlanSpec` and `StageSpec`: an explicit training plan, as written by the planner or by hand.
 
-Rank order inside a stage follows its `devices` list; tp is the innermost axis, then cp, then dp, so
-the devices of one tp group are consecutive (and must share a node).
+A stage holds a `layout.ParallelLayout`, whose rules (`ParallelLayout.validate`) are checked here against the
+stage's devices and the model. Rank order inside a stage follows its `devices` list; tp is the innermost axis,
+then cp, then dp, so the devices of one tp group are consecutive (and must share a node).
 """
 
 from __future__ import annotations
@@ -14,34 +15,10 @@ from heteroflow.config.model import ModelSpec
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.train import TrainSpec
 from heteroflow.errors import did_you_mean
+from heteroflow.layout import ACTIVATION_TIERS, RECOMPUTE, SCHEDULES, STATE_TIERS, OffloadSpec, ParallelLayout
 
 PLAN_VERSION = 1
-SCHEDULES = ("1f1b", "gpipe")
-RECOMPUTE = ("none", "selective", "full")
-STATE_TIERS = ("device", "cpu", "ssd")
-ACTIVATION_TIERS = ("device", "cpu")
 _DEVICE_RANGE = re.compile(r"^(?P<node>[^:]+?)(?::(?P<first>\d+)(?:-(?P<last>\d+))?)?$")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadSpec:
-    """Where a stage keeps its training state."""
-
-    optimizer: str = "device"
-    """fp32 master weights and Adam moments: device, cpu or ssd."""
-    params: str = "device"
-    """Parameters between uses: device, cpu or ssd (fetched layer by layer)."""
-    activations: str = "device"
-    """Checkpointed activations: device or cpu."""
-
-    @property
-    def any(self) -> bool:
-        """Whether anything leaves the device."""
-        return (self.optimizer, self.params, self.activations) != ("device", "device", "device")
-
-    def to_dict(self) -> dict:
-        """Only the tiers that differ from `device`."""
-        return {k: getattr(self, k) for k in ("optimizer", "params", "activations") if getattr(self, k) != "device"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,17 +33,8 @@ class StageSpec:
     """The one device type of these devices."""
     layers: int
     """Transformer blocks in this stage."""
-    tp: int = 1
-    dp: int = 1
-    cp: int = 1
-    """Context-parallel degree (priced by the planner; the runtime runs cp = 1)."""
-    sp: bool = False
-    """Megatron-style sequence parallelism over the tp group."""
-    zero: int = 0
-    """ZeRO stage over this stage's dp group: 0, 1, 2 or 3."""
-    recompute: str = "none"
-    """Activation recompute: none, selective (attention core) or full (whole block)."""
-    offload: OffloadSpec = field(default_factory=OffloadSpec)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    """The stage's intra-operator layout (tp x cp x dp = its devices)."""
 
     @property
     def num_devices(self) -> int:
@@ -76,25 +44,8 @@ class StageSpec:
     def to_dict(self) -> dict:
         """Plain data in the plan YAML schema (defaults left out)."""
         return {"devices": list(self.devices), "device_type": self.device_type, "layers": self.layers,
-                **layout_dict(tp=self.tp, dp=self.dp, cp=self.cp, sp=self.sp, zero=self.zero,
-                              recompute=self.recompute, offload=self.offload.to_dict() if self.offload.any else {})}
+                **self.layout.to_dict()}
 
-
-def layout_dict(*, tp: int, dp: int, cp: int = 1, sp: bool = False, zero: int = 0, recompute: str = "none",
-                offload: dict | None = None) -> dict:
-    """A stage's layout keys in the plan YAML schema, defaults left out (tp and dp always written)."""
-    out: dict = {"tp": tp, "dp": dp}
-    if cp != 1:
-        out["cp"] = cp
-    if sp:
-        out["sp"] = True
-    if zero:
-        out["zero"] = zero
-    if recompute != "none":
-        out["recompute"] = recompute
-    if offload:
-        out["offload"] = dict(offload)
-    return out
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanSpec:
@@ -225,8 +176,6 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
     tp, dp, cp = sec.integer("tp", 1), sec.integer("dp", 1), sec.integer("cp", 1)
     sp = sec.boolean("sp", False)
     zero = sec.integer("zero", 0, minimum=0)
-    if zero is not None and zero > 3:
-        problems.add(sec.at("zero"), f"ZeRO stage must be 0, 1, 2 or 3, got {zero}")
     recompute = sec.string("recompute", "none", choices=RECOMPUTE)
     offload = OffloadSpec()
     off_sec = sec.mapping("offload", None)
@@ -254,37 +203,23 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
             if written_type is not None and written_type != device_type:
                 problems.add(sec.at("device_type"), f"says {written_type!r} but its devices are {device_type!r}")
             _check_precision(cluster, device_type, train, sec, problems)
-    if None not in (refs, tp, dp, cp) and tp * cp * dp != len(refs):
-        problems.add(sec.at("devices"), f"{len(refs)} devices, but tp * cp * dp = {tp} * {cp} * {dp} = "
-                     f"{tp * cp * dp}; the layout must use exactly the stage's devices")
-    if tp is not None:
-        _check_tp(tp, model, sec, problems)
-        if refs is not None and len(refs) % tp == 0:
-            for g in range(0, len(refs), tp):
-                nodes = sorted({r.node for r in refs[g:g + tp]})
-                if len(nodes) > 1:
-                    problems.add(sec.at("tp"), f"tp group {[str(r) for r in refs[g:g + tp]]} spans nodes "
-                                 f"{', '.join(nodes)}; tensor parallelism must stay inside one node")
-                    break
-    if sp and tp is not None and cp is not None and model.seq_length % (tp * cp):
-        problems.add(sec.at("sp"), f"seq_length {model.seq_length} is not divisible by tp * cp = {tp * cp}")
-    if dp is not None and micro_batch_size is not None and micro_batch_size % dp:
-        problems.add(sec.at("dp"), f"dp {dp} does not divide micro_batch_size {micro_batch_size}; each dp rank "
-                     "takes an equal share of every micro-batch")
-    if len(problems.items) != before or not sec.valid or device_type is None or layers is None:
+    layout = None
+    if None not in (tp, dp, cp, sp, zero, recompute):
+        layout = ParallelLayout(tp=tp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, offload=offload)
+        for problem in layout.validate(model, num_devices=None if refs is None else len(refs),
+                                       micro_batch_size=micro_batch_size):
+            problems.add(sec.at(problem.key), problem.message)
+    if tp is not None and refs is not None and len(refs) % tp == 0:
+        for g in range(0, len(refs), tp):
+            nodes = sorted({r.node for r in refs[g:g + tp]})
+            if len(nodes) > 1:
+                problems.add(sec.at("tp"), f"tp group {[str(r) for r in refs[g:g + tp]]} spans nodes "
+                             f"{', '.join(nodes)}; tensor parallelism must stay inside one node")
+                break
+    if len(problems.items) != before or not sec.valid or None in (device_type, layers, layout):
         return None
-    return StageSpec(devices=tuple(raw_devices), device_refs=tuple(refs), device_type=device_type, layers=layers, tp=tp, dp=dp, cp=cp, sp=sp,
-                     zero=zero, recompute=recompute, offload=offload)
-
-
-def _check_tp(tp: int, model: ModelSpec, sec: Section, problems: Problems) -> None:
-    """tp must split the heads, the kv heads (or replicate them) and the MLP evenly."""
-    if model.num_attention_heads % tp:
-        problems.add(sec.at("tp"), f"tp {tp} does not divide num_attention_heads {model.num_attention_heads}")
-    elif model.num_kv_heads % tp and tp % model.num_kv_heads:
-        problems.add(sec.at("tp"), f"tp {tp} and num_kv_heads {model.num_kv_heads} must divide one another")
-    if model.ffn_hidden_size % tp:
-        problems.add(sec.at("tp"), f"tp {tp} does not divide ffn_hidden_size {model.ffn_hidden_size}")
+    return StageSpec(devices=tuple(raw_devices), device_refs=tuple(refs), device_type=device_type, layers=layers,
+                     layout=layout)
 
 
 def _check_precision(cluster: ClusterSpec, device_type: str, train: TrainSpec, sec: Section,

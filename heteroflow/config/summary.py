@@ -33,8 +33,8 @@ def summarize_job(job: JobConfig) -> str:
                      f"{job.plan.micro_batch_size}, {job.plan.num_devices} of {job.cluster.num_devices} devices")
         for k, (stage, (first, last)) in enumerate(zip(job.plan.stages, job.plan.layer_ranges())):
             lines.append(f"    stage {k}: {stage.num_devices} x {stage.device_type}, layers {first}-{last - 1}, "
-                         f"tp {stage.tp} dp {stage.dp}" + (" sp" if stage.sp else "")
-                         + (f" zero{stage.zero}" if stage.zero else "")
-                         + (f" recompute={stage.recompute}" if stage.recompute != "none" else "")
-                         + (f" offload={stage.offload.to_dict()}" if stage.offload.any else ""))
+                         f"tp {stage.layout.tp} dp {stage.layout.dp}" + (" sp" if stage.layout.sp else "")
+                         + (f" zero{stage.layout.zero}" if stage.layout.zero else "")
+                         + (f" recompute={stage.layout.recompute}" if stage.layout.recompute != "none" else "")
+                         + (f" offload={stage.layout.offload.to_dict()}" if stage.layout.offload.any else ""))
     return "\n".join(lines)

@@ -120,13 +120,13 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
         raise UserError("the job has `plan: auto`; put an explicit plan in it (`heteroflow plan -o`) to export a "
                         "Megatron layout")
     stages = plan.stages
-    tp = _same([s.tp for s in stages], "tp")
-    cp = _same([s.cp for s in stages], "cp")
-    dp = _same([s.dp for s in stages], "dp")
-    sp = _same([s.sp for s in stages], "sequence parallelism")
-    zero = _same([s.zero for s in stages], "ZeRO stage")
-    recompute = _same([s.recompute for s in stages], "recompute")
-    offload = _same([s.offload for s in stages], "offload")
+    tp = _same([s.layout.tp for s in stages], "tp")
+    cp = _same([s.layout.cp for s in stages], "cp")
+    dp = _same([s.layout.dp for s in stages], "dp")
+    sp = _same([s.layout.sp for s in stages], "sequence parallelism")
+    zero = _same([s.layout.zero for s in stages], "ZeRO stage")
+    recompute = _same([s.layout.recompute for s in stages], "recompute")
+    offload = _same([s.layout.offload for s in stages], "offload")
     nnodes, nproc, notes = _placement(job)
     m, t = job.model, job.train
     notes = list(notes)

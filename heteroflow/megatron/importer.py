@@ -21,6 +21,7 @@ import yaml
 from heteroflow.config import ClusterSpec, JobConfig, parse_cluster, parse_job, read_yaml
 from heteroflow.config.reader import Problems
 from heteroflow.errors import ConfigError, UserError
+from heteroflow.layout import ParallelLayout
 from heteroflow.megatron.args import MegatronArgs, parse_argv
 from heteroflow.megatron.context import Context
 from heteroflow.megatron.features import check_features
@@ -90,8 +91,8 @@ class ImportResult:
         assert self.job_dict is not None, "no job: the import was blocked"
         head = [f"# Imported from Megatron-LM: {self.source}, by `heteroflow import-megatron`."]
         if self.layout is not None:
-            lay = self.layout
-            head.append(f"# Megatron layout: tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp} on "
+            lay, par = self.layout, self.layout.parallel
+            head.append(f"# Megatron layout: tp {par.tp} x pp {lay.pp} x cp {par.cp} x dp {par.dp} on "
                         f"{lay.world_size} devices; plan.micro_batch_size = micro-batch {lay.micro_batch_size} x dp.")
         approx = self.report.by_disposition("approximated")
         if approx:
@@ -290,11 +291,12 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
     elif model:
         # Still read the training arguments, so every problem is reported in one go.
         mbs, gbs = ctx.get("micro_batch_size") or 1, ctx.get("global_batch_size") or 1
-        map_train(ctx, MegatronLayout(world, 1, 1, 1, 1, mbs if isinstance(mbs, int) else 1,
+        map_train(ctx, MegatronLayout(world, 1, ParallelLayout(), mbs if isinstance(mbs, int) else 1,
                                       gbs if isinstance(gbs, int) else 1, (model["num_layers"],)), None)
     summary = None
     if layout is not None:
-        summary = LayoutSummary(world, nnodes, nproc, layout.tp, layout.pp, layout.cp, layout.dp,
+        par = layout.parallel
+        summary = LayoutSummary(world, nnodes, nproc, par.tp, layout.pp, par.cp, par.dp,
                                 layout.micro_batch_size, layout.global_batch_size, layout.stage_layers,
                                 layout.virtual_stages)
     launcher = source.launch.describe() if source.launch is not None else ""

@@ -8,30 +8,25 @@ messages; a violation is an error because Megatron would refuse to start.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from heteroflow.layout import OffloadSpec, ParallelLayout
 from heteroflow.megatron.context import Context
 
 
 @dataclass(frozen=True, slots=True)
 class MegatronLayout:
-    """A Megatron layout in Megatron's terms."""
+    """A Megatron layout in Megatron's terms: one `ParallelLayout` for every pipeline stage, and how many."""
 
     world_size: int
-    tp: int
     pp: int
-    cp: int
-    dp: int
+    parallel: ParallelLayout
+    """Every pipeline stage's layout (Megatron uses one for all): tp, cp, dp, sp, ZeRO, recompute, offload."""
     micro_batch_size: int
     """Megatron's micro-batch, per data-parallel rank."""
     global_batch_size: int
     stage_layers: tuple[int, ...]
     """Transformer layers held by each pipeline rank (all its virtual stages together)."""
-    sp: bool = False
-    zero: int = 0
-    recompute: str = "none"
-    offload: dict = field(default_factory=dict)
-    """`OffloadSpec` fields that leave the device (optimizer / activations -> cpu)."""
     virtual_stages: int | None = None
     rank_order: tuple[str, ...] = ("tp", "cp", "dp", "pp")
     """Axes from fastest- to slowest-varying global rank (Megatron's default order tp-cp-ep-dp-pp)."""
@@ -39,7 +34,7 @@ class MegatronLayout:
     @property
     def plan_micro_batch_size(self) -> int:
         """heteroflow's micro-batch: one Megatron micro-batch on every dp replica."""
-        return self.micro_batch_size * self.dp
+        return self.micro_batch_size * self.parallel.dp
 
 
 def _positive(ctx: Context, dest: str) -> int:
@@ -81,8 +76,9 @@ def map_layout(ctx: Context, world_size: int, num_layers: int, seq_length: int |
                                                    "across the cluster (see plan.stages[*].devices)")
     if ctx.errors or stage_layers is None or mbs is None:
         return None
-    return MegatronLayout(world_size, tp, pp, cp, dp, mbs, gbs, tuple(stage_layers), sp, zero, recompute, offload,
-                          vp, order)
+    parallel = ParallelLayout(tp=tp, cp=cp, dp=dp, sp=sp, zero=zero, recompute=recompute,
+                              offload=OffloadSpec(**offload))
+    return MegatronLayout(world_size, pp, parallel, mbs, gbs, tuple(stage_layers), vp, order)
 
 
 def _sequence_parallel(ctx: Context, tp: int, seq_length: int | None) -> bool:

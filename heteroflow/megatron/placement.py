@@ -10,7 +10,6 @@ then cp, then dp, so listing a stage's ranks in that order gives the same tp gro
 from __future__ import annotations
 
 from heteroflow.config import ClusterSpec, DeviceRef
-from heteroflow.config.plan import layout_dict
 from heteroflow.errors import UserError
 from heteroflow.megatron.layout import MegatronLayout
 
@@ -27,7 +26,8 @@ def generated_cluster(nnodes: int, nproc_per_node: int, device_type: str | None)
 
 def stage_ranks(layout: MegatronLayout) -> list[list[int]]:
     """Global ranks of each pipeline stage, listed tp fastest, then cp, then dp."""
-    sizes = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp}
+    par = layout.parallel
+    sizes = {"tp": par.tp, "cp": par.cp, "dp": par.dp, "pp": layout.pp}
 
     def rank(coords: dict[str, int]) -> int:
         value, stride = 0, 1
@@ -36,8 +36,8 @@ def stage_ranks(layout: MegatronLayout) -> list[list[int]]:
             stride *= sizes[axis]
         return value
 
-    return [[rank({"tp": t, "cp": c, "dp": d, "pp": k}) for d in range(layout.dp) for c in range(layout.cp)
-             for t in range(layout.tp)] for k in range(layout.pp)]
+    return [[rank({"tp": t, "cp": c, "dp": d, "pp": k}) for d in range(par.dp) for c in range(par.cp)
+             for t in range(par.tp)] for k in range(layout.pp)]
 
 
 def _compress(refs: list[DeviceRef], cluster: ClusterSpec) -> list[str]:
@@ -59,10 +59,10 @@ def _compress(refs: list[DeviceRef], cluster: ClusterSpec) -> list[str]:
 
 def place(layout: MegatronLayout, cluster: ClusterSpec) -> list[dict]:
     """The plan's stages (dicts in the plan YAML schema) for `layout` on the first ranks of `cluster`."""
-    devices = cluster.devices()
+    devices, par = cluster.devices(), layout.parallel
     if len(devices) < layout.world_size:
-        raise UserError(f"the Megatron layout needs {layout.world_size} devices (tp {layout.tp} x pp {layout.pp} x "
-                        f"cp {layout.cp} x dp {layout.dp}); the cluster has {len(devices)}")
+        raise UserError(f"the Megatron layout needs {layout.world_size} devices (tp {par.tp} x pp {layout.pp} x "
+                        f"cp {par.cp} x dp {par.dp}); the cluster has {len(devices)}")
     stages = []
     for k, ranks in enumerate(stage_ranks(layout)):
         refs = [devices[r] for r in ranks]
@@ -71,11 +71,9 @@ def place(layout: MegatronLayout, cluster: ClusterSpec) -> list[dict]:
             raise UserError(f"pipeline stage {k} (global ranks {min(ranks)}-{max(ranks)}) would span device types "
                             f"{', '.join(types)}; a heteroflow stage runs on one device type. Reorder the cluster's "
                             "nodes so that each group of "
-                            f"{layout.tp * layout.cp * layout.dp} consecutive devices shares a type, or plan it with "
+                            f"{par.num_devices} consecutive devices shares a type, or plan it with "
                             "`heteroflow plan` instead")
-        stages.append({"devices": _compress(refs, cluster), "layers": layout.stage_layers[k],
-                       **layout_dict(tp=layout.tp, dp=layout.dp, cp=layout.cp, sp=layout.sp, zero=layout.zero,
-                                     recompute=layout.recompute, offload=layout.offload)})
+        stages.append({"devices": _compress(refs, cluster), "layers": layout.stage_layers[k], **par.to_dict()})
     return stages
 
 

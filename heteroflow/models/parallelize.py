@@ -44,61 +44,34 @@ layout above, never a DTensor that the other stage's mesh would not know.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import replace
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
+from heteroflow.layout import RECOMPUTE, ModelShape, ParallelLayout
+from heteroflow.layout.shards import heads_per_rank, kv_heads_per_rank, replicates_kv_heads
 from heteroflow.models.llama import Attention, AttentionCore, Block, FeedForward, StageModel
 from heteroflow.models.shard import ParamShard, even_split, set_shard, shard_of
 from heteroflow.models.tp_ops import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 from heteroflow.models.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-
-
-class LayoutLike(Protocol):
-    """Anything with a stage's intra-operator layout, such as `config.StageSpec`."""
-
-    tp: int
-    sp: bool
-    recompute: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageLayout:
-    """The part of a plan stage that `parallelize_stage` applies."""
-
-    tp: int = 1
-    """Tensor-parallel degree; the tp group passed alongside has this many ranks."""
-    sp: bool = False
-    """Megatron-style sequence parallelism over the tp group."""
-    recompute: str = "none"
-    """none, selective (checkpoint the attention core) or full (checkpoint every block)."""
-
-
-def parallelize_stage(model: StageModel, *, layout: LayoutLike, tp_group: ProcessGroup | None = None) -> StageModel:
+def parallelize_stage(model: StageModel, *, layout: ParallelLayout, tp_group: ProcessGroup | None = None) -> StageModel:
     """Shard `model` over `tp_group` per `layout` and set up recompute; returns the same module.
 
     Works on real or meta parameters; values already present are sliced, so initializing before or
     after gives the same weights.
     """
-    spec = model.spec
-    if layout.recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {layout.recompute!r}")
+    problems = layout.validate(model.spec)
+    if problems:
+        raise ValueError("; ".join(f"{p.key}: {p.message}" for p in problems))
     tp = layout.tp
     if tp > 1:
         if tp_group is None or dist.get_world_size(tp_group) != tp:
             raise ValueError(f"layout has tp {tp}, but the tp group has "
                              f"{None if tp_group is None else dist.get_world_size(tp_group)} ranks")
-        if spec.num_attention_heads % tp or spec.ffn_hidden_size % tp:
-            raise ValueError(f"tp {tp} must divide num_attention_heads {spec.num_attention_heads} "
-                             f"and ffn_hidden_size {spec.ffn_hidden_size}")
-        if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-            raise ValueError(f"tp {tp} and num_kv_heads {spec.num_kv_heads} must divide one another")
         _apply_tensor_parallel(model, tp_group, sp=layout.sp)
     apply_recompute(model, layout.recompute)
     return model
@@ -108,7 +81,7 @@ def _apply_tensor_parallel(model: StageModel, group: ProcessGroup, *, sp: bool) 
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     spec = model.spec
     for block in model.layers.values():
-        _shard_attention(block.attn, spec.num_attention_heads, spec.num_kv_heads, tp, rank)
+        _shard_attention(block.attn, spec, tp, rank)
         _shard_mlp(block.mlp, tp, rank)
         for module in (block.attn, block.mlp):
             module.register_forward_pre_hook(_enter_hook(group, sp))
@@ -131,13 +104,13 @@ def _apply_tensor_parallel(model: StageModel, group: ProcessGroup, *, sp: bool) 
         model.head = VocabParallelHead(weight, vocab_start=vocab_start, shard_sizes=sizes, group=group, sp=sp)
 
 
-def _shard_attention(attn: Attention, num_heads: int, num_kv_heads: int, tp: int, rank: int) -> None:
-    d = attn.head_dim
-    q_rows = num_heads // tp * d
+def _shard_attention(attn: Attention, spec: ModelShape, tp: int, rank: int) -> None:
+    d, num_kv_heads = attn.head_dim, spec.num_kv_heads
+    q_rows = heads_per_rank(spec, tp) * d
     _shard_linear(attn.wq, 0, rank * q_rows, q_rows)
     _shard_linear(attn.wo, 1, rank * q_rows, q_rows)
-    if num_kv_heads % tp == 0:
-        kv_rows = num_kv_heads // tp * d
+    if not replicates_kv_heads(spec, tp):
+        kv_rows = kv_heads_per_rank(spec, tp) * d
         _shard_linear(attn.wk, 0, rank * kv_rows, kv_rows)
         _shard_linear(attn.wv, 0, rank * kv_rows, kv_rows)
     else:  # tp > kv heads: this rank's query heads all use kv head (rank * kv_heads // tp)
@@ -229,6 +202,8 @@ def _checkpointed_class(cls: type) -> type:
 
 def apply_recompute(model: StageModel, mode: str) -> None:
     """full: recompute each block (its tp collectives included) in backward; selective: only the attention core."""
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {mode!r}")
     if mode == "none":
         return
     targets: list[nn.Module] = []

@@ -71,7 +71,7 @@ class OffloadPolicy:
         """The policy of every rank of `stage`: its plan's tiers and its device type's memory."""
         spec = cluster.device_types[stage.device_type]
         budget = device_budget_bytes(spec.memory_gib, reserve_gib=reserve_gib, reserve_fraction=reserve_fraction)
-        off = stage.offload
+        off = stage.layout.offload
         root = None
         if "ssd" in (off.optimizer, off.params):
             root = default_swap_root(swap_root)

@@ -4,11 +4,11 @@
 it across processes over torch.distributed point-to-point.
 """
 
-from heteroflow.remap.layout import (Axis, Box, Layout, LayoutError, box_contains, box_intersection, box_shape,
+from heteroflow.remap.layout import (Axis, Box, TensorLayout, LayoutError, box_contains, box_intersection, box_shape,
                                      box_slices, box_volume)
 from heteroflow.remap.plan import FanOut, Piece, PreReduce, SourceReplicas, TransferPlan, plan_transfer
 
 __all__ = [
-    "Axis", "Box", "FanOut", "Layout", "LayoutError", "Piece", "PreReduce", "SourceReplicas", "TransferPlan",
+    "Axis", "Box", "FanOut", "TensorLayout", "LayoutError", "Piece", "PreReduce", "SourceReplicas", "TransferPlan",
     "box_contains", "box_intersection", "box_shape", "box_slices", "box_volume", "plan_transfer",
 ]

@@ -1,4 +1,4 @@
-"""`Layout`: how a group of ranks holds one logical tensor. Pure Python, no torch.
+"""`TensorLayout`: how a group of ranks holds one logical tensor. Pure Python, no torch.
 
 A layout is a mesh of named axes over an ordered list of ranks (row-major: the first axis is the
 outermost, the last the innermost, as in `torch.distributed.DeviceMesh`). Each axis either splits one
@@ -69,10 +69,10 @@ class Axis:
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class TensorLayout:
     """A logical tensor of `shape` held by `ranks` arranged as the mesh `axes` (row-major).
 
-    Built once and validated: every dim's split must divide its size. Use `Layout.activation` for the
+    Built once and validated: every dim's split must divide its size. Use `TensorLayout.activation` for the
     `[batch, seq, hidden]` activations of a pipeline stage.
     """
 
@@ -118,7 +118,7 @@ class Layout:
 
     @classmethod
     def activation(cls, shape: Sequence[int], *, ranks: Sequence[int], dp: int = 1, tp: int = 1, cp: int = 1,
-                   sp: bool = False) -> "Layout":
+                   sp: bool = False) -> "TensorLayout":
         """A pipeline stage's `[batch, seq, hidden]` activation: batch split over dp, sequence split
         over cp (and over tp too under sequence parallelism), replicated over tp otherwise.
 

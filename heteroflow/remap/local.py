@@ -11,18 +11,18 @@ from typing import Mapping
 
 import torch
 
-from heteroflow.remap.layout import Layout, LayoutError, box_slices
+from heteroflow.remap.layout import TensorLayout, LayoutError, box_slices
 from heteroflow.remap.plan import SourceReplicas, TransferPlan, plan_transfer
 
 
-def shard(full: torch.Tensor, layout: Layout) -> dict[int, torch.Tensor]:
+def shard(full: torch.Tensor, layout: TensorLayout) -> dict[int, torch.Tensor]:
     """Each rank's share of the logical tensor `full` (contiguous copies)."""
     if tuple(full.shape) != layout.shape:
         raise LayoutError(f"tensor of shape {list(full.shape)} does not match layout {layout.describe()}")
     return {rank: full[box_slices(layout.box(rank))].contiguous() for rank in layout.ranks}
 
 
-def unshard(shards: Mapping[int, torch.Tensor], layout: Layout) -> torch.Tensor:
+def unshard(shards: Mapping[int, torch.Tensor], layout: TensorLayout) -> torch.Tensor:
     """The logical tensor from one share per distinct block (replicas are checked to agree)."""
     first = shards[layout.ranks[0]]
     full = torch.empty(layout.shape, dtype=first.dtype, device=first.device)
@@ -58,7 +58,7 @@ def apply_plan(plan: TransferPlan, shards: Mapping[int, torch.Tensor]) -> dict[i
     return out
 
 
-def reshard(shards: Mapping[int, torch.Tensor], src: Layout, dst: Layout, *,
+def reshard(shards: Mapping[int, torch.Tensor], src: TensorLayout, dst: TensorLayout, *,
             source_replicas: SourceReplicas = "identical") -> dict[int, torch.Tensor]:
     """Shares held as `src` turned into shares held as `dst` (e.g. tp=4 checkpoint shards to tp=2)."""
     return apply_plan(plan_transfer(src, dst, source_replicas=source_replicas), shards)

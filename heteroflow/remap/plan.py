@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from heteroflow.remap.layout import Box, Layout, LayoutError, box_intersection, box_shape, box_volume
+from heteroflow.remap.layout import Box, TensorLayout, LayoutError, box_intersection, box_shape, box_volume
 
 SourceReplicas = Literal["identical", "partial"]
 
@@ -61,8 +61,8 @@ class PreReduce:
 class TransferPlan:
     """Everything that moves when a tensor held as `src` must be held as `dst`; see the module doc."""
 
-    src: Layout
-    dst: Layout
+    src: TensorLayout
+    dst: TensorLayout
     pieces: tuple[Piece, ...]
     fanouts: tuple[FanOut, ...]
     pre_reduces: tuple[PreReduce, ...] = ()
@@ -144,7 +144,7 @@ class TransferPlan:
                 f"send load {min(sends)}..{max(sends)} per source rank")
 
 
-def plan_transfer(src: Layout, dst: Layout, *, source_replicas: SourceReplicas = "identical") -> TransferPlan:
+def plan_transfer(src: TensorLayout, dst: TensorLayout, *, source_replicas: SourceReplicas = "identical") -> TransferPlan:
     """The transfer plan that turns a tensor held as `src` into one held as `dst`.
 
     Raises `LayoutError` when the layouts describe tensors of different shapes.

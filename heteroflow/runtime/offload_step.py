@@ -52,7 +52,7 @@ _HOST_REDUCE_CHUNK_NUMEL = 1 << 24
 
 def offloads_state(stage: StageSpec) -> bool:
     """Whether the stage's optimizer state or parameters leave the device (then `OffloadedAdamW` runs it)."""
-    return stage.offload.optimizer != "device" or stage.offload.params != "device"
+    return stage.layout.offload.optimizer != "device" or stage.layout.offload.params != "device"
 
 
 def check_offload_plan(plan: PlanSpec) -> None:
@@ -63,14 +63,14 @@ def check_offload_plan(plan: PlanSpec) -> None:
 
 def check_offload_stage(k: int, stage: StageSpec) -> None:
     """Refuse what `check_offload_plan` refuses, for plan stage `k`."""
-    tiers = ", ".join(f"{key}: {tier}" for key, tier in stage.offload.to_dict().items())
-    if offloads_state(stage) and stage.zero:
-        raise UserError(f"plan.stages[{k}]: zero {stage.zero} together with offload {{{tiers}}} is not run: "
+    tiers = ", ".join(f"{key}: {tier}" for key, tier in stage.layout.offload.to_dict().items())
+    if offloads_state(stage) and stage.layout.zero:
+        raise UserError(f"plan.stages[{k}]: zero {stage.layout.zero} together with offload {{{tiers}}} is not run: "
                         "offloaded optimizer state and parameters are not sharded over dp; use zero: 0 on this "
                         "stage (its state leaves the device anyway) or keep optimizer and params on the device")
-    if stage.offload.params != "device" and stage.tp > 1:
-        raise UserError(f"plan.stages[{k}]: offload params: {stage.offload.params} needs tp: 1 (blocks are "
-                        f"fetched as whole, unsharded parameters), but the stage has tp {stage.tp}; use tp: 1 "
+    if stage.layout.offload.params != "device" and stage.layout.tp > 1:
+        raise UserError(f"plan.stages[{k}]: offload params: {stage.layout.offload.params} needs tp: 1 (blocks are "
+                        f"fetched as whole, unsharded parameters), but the stage has tp {stage.layout.tp}; use tp: 1 "
                         "with dp instead, or keep params on the device and offload only the optimizer")
 
 
@@ -263,7 +263,7 @@ def activation_context(rt: StageRuntime) -> contextlib.AbstractContextManager:
     """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier."""
     from heteroflow.offload.activations import activation_context as tier_context
 
-    return tier_context(rt.stage.offload.activations, rt.device)
+    return tier_context(rt.stage.layout.offload.activations, rt.device)
 
 
 def offload_report(rt: StageRuntime) -> dict | None:

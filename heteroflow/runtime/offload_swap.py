@@ -38,18 +38,18 @@ def swap_bytes(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> in
 
     total = 0
     for k, (stage, (first, last)) in enumerate(zip(plan.stages, plan.layer_ranges())):
-        off = stage.offload
+        off = stage.layout.offload
         if "ssd" not in (off.optimizer, off.params):
             continue
         with torch.device("meta"):
             model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                       is_last=k == len(plan.stages) - 1)
         chunk = OffloadPolicy.__dataclass_fields__["chunk_numel"].default
-        replicated_kv = stage.tp > job.model.num_kv_heads
+        replicated_kv = stage.layout.tp > job.model.num_kv_heads
         numel = 0  # on one rank: matrices split over tp (one extra row or column for an uneven vocabulary)
         for name, p in model.named_parameters():
-            whole = stage.tp == 1 or p.dim() < 2 or (replicated_kv and name.endswith(("wk.weight", "wv.weight")))
-            numel += p.numel() if whole else -(-p.numel() // stage.tp) + max(p.shape)
+            whole = stage.layout.tp == 1 or p.dim() < 2 or (replicated_kv and name.endswith(("wk.weight", "wv.weight")))
+            numel += p.numel() if whole else -(-p.numel() // stage.layout.tp) + max(p.shape)
         block_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
         per_rank = 0
         if off.optimizer == "ssd":  # fp32 master + 2 moments per chunk, each chunk file aligned

@@ -17,7 +17,7 @@ import torch
 
 from heteroflow.backends import StageBoundary
 from heteroflow.runtime.offload_step import activation_context
-from heteroflow.runtime.schedule import FORWARD, stage_actions
+from heteroflow.layout.schedule import FORWARD, stage_actions
 from heteroflow.runtime.stage import StageRuntime
 
 _MAX_SENDS_IN_FLIGHT = 2

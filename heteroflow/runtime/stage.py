@@ -74,9 +74,9 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     with torch.device("meta"):
         model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                   is_last=k == num_stages - 1)
-    parallelize_stage(model, layout=stage, tp_group=groups.tp)
+    parallelize_stage(model, layout=stage.layout, tp_group=groups.tp)
     # Offloaded blocks go to their tier from the host: the device never holds the whole stage.
-    materialize(model, "cpu" if stage.offload.params != "device" else device.torch_device)
+    materialize(model, "cpu" if stage.layout.offload.params != "device" else device.torch_device)
     if init_from is not None:
         from heteroflow.models.hf_checkpoint import load_hf_weights
         load_hf_weights(model, init_from, job_spec=job.model)
@@ -86,7 +86,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     if offloads_state(stage):
         optimizer = OffloadedAdamW.for_stage(model, job=job, stage=stage, stage_index=k, groups=groups, device=device)
     else:
-        optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.zero, 2),
+        optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.layout.zero, 2),
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
     try:  # the boundaries and groups below are collectives that may fail: never leave swap files behind

@@ -128,7 +128,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             micro_batches = []
             for m in range(num_micro_batches):
                 share = micro_batch_indices(indices, micro_batch_size=plan.micro_batch_size, micro_batch=m,
-                                            dp=rt.stage.dp, dp_rank=info.dp)
+                                            dp=rt.stage.layout.dp, dp_rank=info.dp)
                 micro_batches.append(MicroBatch(*data.batch(share)))
             loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens)
             if rt.tied_group is not None:

@@ -19,7 +19,8 @@ from heteroflow.stagemap.costs import StageHardware, stage_costs_many
 from heteroflow.stagemap.options import coefficients
 from heteroflow.stagemap.estimate import boundary_times
 from heteroflow.stagemap.hardware import Hardware
-from heteroflow.stagemap.layout import Layout, offload_allowed, tp_valid
+from heteroflow.layout import ParallelLayout, tp_valid
+from heteroflow.stagemap.layout import offload_allowed
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time
 from heteroflow.stagemap.space import SearchOptions, micro_batch_sizes
@@ -105,7 +106,7 @@ def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardwar
                    m: int, per_stage: int, options: SearchOptions) -> float:
     """step >= m * (F + B) of the slowest stage, each at its fastest layout (ZeRO 0/1, no recompute or offload)."""
     # ZeRO 0 is never slower per layer than ZeRO 1-3, so it bounds whichever stages are allowed.
-    fast = [Layout(tp=tp, dp=dp, sp=sp) for sp in (False, True) if not sp or (tp > 1 and job.model.seq_length % tp == 0)]
+    fast = [ParallelLayout(tp=tp, dp=dp, sp=sp) for sp in (False, True) if not sp or (tp > 1 and job.model.seq_length % tp == 0)]
     worst = 0.0
     for shape in set(shapes):
         rate = min(c.fwd_layer_s + c.bwd_layer_s for c in stage_costs_many(job.model, job.train.precision, shape,
@@ -118,7 +119,7 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
                   recv: list[float], tp: int, dp: int, mbs: int, m: int, per_stage: int,
                   options: SearchOptions) -> tuple[float, PlanSpec] | None:
     """Best uniform layout for fixed stages, tp and dp."""
-    layouts = [Layout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off)
+    layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off)
                for sp in options.sp if not sp or (tp > 1 and job.model.seq_length % tp == 0)
                for z in options.zero if not z or dp > 1
                for rc in options.recompute for off in options.offload]
@@ -156,5 +157,5 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
         return None
     lay = layouts[best[1]]
     stages = tuple(StageSpec(devices=c.devices, device_refs=c.refs, device_type=c.device_type, layers=per_stage,
-                             **lay.stage_fields()) for c in chunks)
+                             layout=lay) for c in chunks)
     return best[0], PlanSpec(stages=stages, schedule="1f1b", micro_batch_size=mbs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from heteroflow.config.model import ModelSpec
+from heteroflow.layout.shards import kv_heads_per_rank, mlp_matrices
 from heteroflow.stagemap.hardware import DeviceModel
 
 ATTENTION_BACKWARD_FACTOR = 2.5
@@ -35,40 +36,6 @@ LOSS_BYTES_PER_LOGIT = 12
 """Cross-entropy traffic per logit: read the bf16 logits, write and re-read fp32 probabilities."""
 
 
-def kv_heads_local(model: ModelSpec, tp: int) -> int:
-    """KV heads one tp rank holds (replicated when tp exceeds the kv heads)."""
-    return model.num_kv_heads // tp if model.num_kv_heads % tp == 0 else 1
-
-
-def mlp_matrices(model: ModelSpec) -> int:
-    """Weight matrices of the MLP: 3 for SwiGLU, 2 for GELU."""
-    return 3 if model.activation == "swiglu" else 2
-
-
-def layer_params_per_device(model: ModelSpec, tp: int) -> float:
-    """Parameters of one transformer block held by one tp rank."""
-    h, d = model.hidden_size, model.kv_channels
-    q_loc, kv_loc = model.num_attention_heads // tp, kv_heads_local(model, tp)
-    attn = 2 * h * q_loc * d + 2 * h * kv_loc * d
-    if model.qkv_bias:
-        attn += (q_loc + 2 * kv_loc) * d
-    mlp = mlp_matrices(model) * h * model.ffn_hidden_size / tp
-    norms = 2 * h * (2 if model.normalization == "layernorm" else 1) + (2 * d if model.qk_norm else 0)
-    return attn + mlp + norms
-
-
-def embedding_params_per_device(model: ModelSpec, tp: int) -> float:
-    """Parameters of the first stage beyond its blocks: the (vocab-parallel) embedding, learned positions."""
-    positions = model.seq_length * model.hidden_size if model.position_embedding == "learned" else 0
-    return model.vocab_size * model.hidden_size / tp + positions
-
-
-def head_params_per_device(model: ModelSpec, tp: int, *, single_stage: bool) -> float:
-    """Parameters of the last stage beyond its blocks: final norm and LM head (a copy when tied across stages)."""
-    head = 0 if (model.tie_embeddings and single_stage) else model.vocab_size * model.hidden_size / tp
-    return head + model.hidden_size
-
-
 def elementwise_elements(model: ModelSpec, *, tp: int, sp: bool) -> tuple[float, float]:
     """(all, activation function) elements one token reads and writes in a block's elementwise kernels, forward.
 
@@ -79,7 +46,7 @@ def elementwise_elements(model: ModelSpec, *, tp: int, sp: bool) -> tuple[float,
     """
     h_e = model.hidden_size / tp if sp else model.hidden_size
     d = model.kv_channels
-    q, kv = model.num_attention_heads // tp * d, kv_heads_local(model, tp) * d
+    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
     f = model.ffn_hidden_size / tp
     elements = (2 * NORM_PASSES[model.normalization] + 2 * 3) * h_e + 2 * q
     if model.qk_norm:
@@ -124,7 +91,7 @@ def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int,
     attention and host overhead, which do not follow the 2x rule when measured)."""
     h, d, s = model.hidden_size, model.kv_channels, model.seq_length
     q_dim = model.num_attention_heads // tp * d
-    kv_dim = kv_heads_local(model, tp) * d
+    kv_dim = kv_heads_per_rank(model, tp) * d
     f_loc = model.ffn_hidden_size / tp
     up = 2 if model.activation == "swiglu" else 1
     gemm = (dev.gemm_s(tokens, q_dim + 2 * kv_dim, h, dtype_bytes) + dev.gemm_s(tokens, h, q_dim, dtype_bytes)

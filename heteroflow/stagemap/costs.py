@@ -26,10 +26,11 @@ from functools import lru_cache
 
 from heteroflow.config.model import ModelSpec
 from heteroflow.stagemap.comm import all_gather_s, all_reduce_s, dp_link
-from heteroflow.stagemap.compute import (embedding_params_per_device, embedding_s, head_params_per_device, head_s,
-                                         kv_heads_local, layer_forward, layer_params_per_device)
+from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
+                                      layer_params_per_rank)
+from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
-from heteroflow.stagemap.layout import Layout
+from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, memory_from_parts,
                                         memory_parts, memory_total_from_parts, state_bytes_per_param)
 
@@ -74,7 +75,7 @@ class StageCosts:
     """Parameters per device (as an affine function; in_flight unused)."""
     memory_total: Affine
     memory_parts: MemoryParts = field(repr=False, compare=False)
-    layout: Layout = field(repr=False, compare=False)
+    layout: ParallelLayout = field(repr=False, compare=False)
 
     @property
     def memory(self) -> MemoryModel:
@@ -98,7 +99,7 @@ class StageCosts:
         return self.memory_total.at(layers, in_flight, first, last)
 
 
-def stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: Layout, micro_batch_size: int,
+def stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: ParallelLayout, micro_batch_size: int,
                 hardware: Hardware) -> StageCosts:
     """The cost model of a stage (cached: the planner asks for the same combinations many times)."""
     return _stage_costs(model, precision, hw, layout, micro_batch_size, hardware.inter_node_gb_per_s,
@@ -106,14 +107,14 @@ def stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: Lay
 
 
 @lru_cache(maxsize=200_000)
-def _stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: Layout, mbs: int,
+def _stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: ParallelLayout, mbs: int,
                  inter_gb_per_s: float, inter_latency_s: float, emulate: bool) -> StageCosts:
     b = _base(model, precision, hw, layout.tp, layout.dp, layout.cp, layout.sp, mbs, inter_gb_per_s,
               inter_latency_s, emulate)
     return costs_from_base(model, precision, hw, layout, b)
 
 
-def stage_costs_many(model: ModelSpec, precision: str, hw: StageHardware, layouts: list[Layout], mbs: int,
+def stage_costs_many(model: ModelSpec, precision: str, hw: StageHardware, layouts: list[ParallelLayout], mbs: int,
                      hardware: Hardware) -> list[StageCosts]:
     """`stage_costs` for many layouts of one stage shape (the shared part computed once per tp/dp/cp/sp)."""
     bases: dict[tuple, _Base] = {}
@@ -127,7 +128,7 @@ def stage_costs_many(model: ModelSpec, precision: str, hw: StageHardware, layout
     return out
 
 
-def costs_from_base(model: ModelSpec, precision: str, hw: StageHardware, layout: Layout, b: "_Base") -> StageCosts:
+def costs_from_base(model: ModelSpec, precision: str, hw: StageHardware, layout: ParallelLayout, b: "_Base") -> StageCosts:
     """Apply ZeRO, recompute and offload to the shared part of a stage's costs."""
     compute_fwd = b.compute_fwd
     compute_bwd = b.compute_bwd
@@ -212,12 +213,12 @@ def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int,
     act_bytes = tokens * model.hidden_size * wb
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
     # Context parallelism: each rank passes its K/V chunk around the ring (twice in the backward).
-    kv_chunk = tokens * 2 * kv_heads_local(model, tp) * model.kv_channels * wb
+    kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * wb
     p2p, p2p_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
     cp_fwd = (cp - 1) * kv_chunk / (p2p * 1e9) + (cp - 1) * p2p_lat if cp > 1 else 0.0
     attn_fwd = max(lc.attention_s, cp_fwd)
     attn_bwd = max(lc.attention_backward_s, 2 * cp_fwd)
-    p_layer = layer_params_per_device(model, tp)
+    p_layer = layer_params_per_rank(model, tp)
     # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
     emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=wb)
     head_f, head_b = head_s(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=wb)
@@ -227,7 +228,7 @@ def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int,
         head_b += all_gather_s(act_bytes, tp, intra, intra_lat)
     else:
         head_b += all_reduce_s(act_bytes, tp, intra, intra_lat)
-    p_emb, p_head = embedding_params_per_device(model, tp), head_params_per_device(model, tp, single_stage=False)
+    p_emb, p_head = embedding_params_per_rank(model, tp), head_params_per_rank(model, tp, single_stage=False)
     zero3 = (all_gather_s(p_emb * wb, dp, dp_bw, dp_lat), all_gather_s(p_emb * (wb + gb), dp, dp_bw, dp_lat),
              all_gather_s(p_head * wb, dp, dp_bw, dp_lat), all_gather_s(p_head * (wb + gb), dp, dp_bw, dp_lat))
     params = Affine(0.0, p_layer, 0.0, p_emb, p_head,
@@ -253,7 +254,7 @@ def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[flo
     return dev.host_link_gb_per_s, dev.host_link_gb_per_s
 
 
-def _tail(layout: Layout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float,
+def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float,
           wb: int, gb: int, ob: int) -> tuple[float, float]:
     """(constant seconds, seconds per parameter held by a device) of the step's tail."""
     dp = layout.dp

@@ -6,13 +6,14 @@ import os
 from dataclasses import dataclass, field, replace
 
 from heteroflow.config.job import JobConfig
-from heteroflow.config.plan import OffloadSpec, PlanSpec, StageSpec
+from heteroflow.config.plan import PlanSpec, StageSpec
+from heteroflow.layout import OffloadSpec
 from heteroflow.errors import UserError
 from heteroflow.stagemap.comm import boundary_s
 from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
 from heteroflow.stagemap.hardware import Hardware, build_hardware
-from heteroflow.stagemap.layout import Layout
+from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time, shared_makespan, simulate_shared
 from heteroflow.stagemap.profile import Profile, load_profile
@@ -28,7 +29,7 @@ class StageEstimate:
     num_devices: int
     layers: tuple[int, int]
     """[first, last_exclusive)."""
-    layout: Layout
+    layout: ParallelLayout
     forward_s: float
     """Forward of one micro-batch, including receiving its input from the previous stage."""
     backward_s: float
@@ -136,7 +137,7 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
     hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices)
     placed = [stage_hardware(job, hardware, s) for s in plan.stages]
     hws = [hw for hw, _ in placed]
-    costs = [stage_costs(job.model, job.train.precision, hw, Layout.of(s), plan.micro_batch_size, hardware)
+    costs = [stage_costs(job.model, job.train.precision, hw, s.layout, plan.micro_batch_size, hardware)
              for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
     return assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
@@ -169,7 +170,7 @@ def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: li
         f = in_flight(plan.schedule, p, k, m)
         peak = c.memory_bytes(layers, f, first, last) / GIB
         est = StageEstimate(index=k, devices=stage.devices, device_type=stage.device_type,
-                            num_devices=stage.num_devices, layers=(first_layer, last_layer), layout=Layout.of(stage),
+                            num_devices=stage.num_devices, layers=(first_layer, last_layer), layout=stage.layout,
                             forward_s=fwd[-1], backward_s=bwd[-1], recv_forward_s=recv_f, recv_backward_s=recv_b,
                             tail_s=tails[-1], in_flight=f, memory_peak_gib=peak,
                             memory_capacity_gib=hw.device.memory_gib,

@@ -49,7 +49,7 @@ def exhaustive_search(job: JobConfig, *, profile: Profile | None = None, options
                         if deadline_s is not None and perf_counter() - start > deadline_s:
                             raise Timeout(f"exhaustive search passed {deadline_s} s after {priced} plans")
                         stages = tuple(StageSpec(devices=g.devices, device_refs=g.refs, device_type=cls.device_type,
-                                                 layers=n, **lay.stage_fields())
+                                                 layers=n, layout=lay)
                                        for (cls, _, g), n, lay in zip(slots, split, lays))
                         plan = PlanSpec(stages=stages, schedule=schedule, micro_batch_size=mbs)
                         est = evaluate_plan(job, plan, profile=profile)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 from heteroflow.config.job import JobConfig
-from heteroflow.config.plan import OffloadSpec
+from heteroflow.layout import OffloadSpec
 from heteroflow.stagemap.costs import StageHardware, stage_costs
 from heteroflow.stagemap.hardware import Hardware
-from heteroflow.stagemap.layout import Layout, tp_choices
+from heteroflow.layout import ParallelLayout
+from heteroflow.stagemap.layout import tp_choices
 from heteroflow.stagemap.memory import GIB
 
 
@@ -70,7 +71,7 @@ def _best_peaks(job: JobConfig, hardware: Hardware, hw: StageHardware, layers: i
         dp = hw.num_devices // tp
         sp = tp > 1 and job.model.seq_length % tp == 0
         for off, slot in ((OffloadSpec(), "plain"), (OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"), "frugal")):
-            lay = Layout(tp=tp, dp=dp, sp=sp, zero=3 if dp > 1 else 0, recompute="full", offload=off)
+            lay = ParallelLayout(tp=tp, dp=dp, sp=sp, zero=3 if dp > 1 else 0, recompute="full", offload=off)
             c = stage_costs(job.model, job.train.precision, hw, lay, dp, hardware)
             peak = c.memory_bytes(layers, min(stages, max(1, job.train.global_batch_size // dp)), True, False) / GIB
             if slot == "plain" and (plain is None or peak < plain[0]):

@@ -1,11 +1,9 @@
-"""`Layout`: one stage's intra-operator layout, and the layouts the planner searches for a stage."""
+"""The layouts the planner searches for a stage (`layout.ParallelLayout` values)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from heteroflow.config.model import ModelSpec
-from heteroflow.config.plan import OffloadSpec, StageSpec
+from heteroflow.layout import OffloadSpec, ParallelLayout, tp_valid
 
 OFFLOAD_CHOICES = (
     OffloadSpec(),
@@ -23,58 +21,13 @@ OFFLOAD_CHOICES = (
 (with dp > 1) only under ZeRO-3, as in ZeRO-Infinity."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Layout:
-    """tp x cp x dp over a stage's devices (tp innermost), plus sp, ZeRO, recompute and offload."""
-
-    tp: int = 1
-    dp: int = 1
-    cp: int = 1
-    sp: bool = False
-    zero: int = 0
-    recompute: str = "none"
-    offload: OffloadSpec = field(default_factory=OffloadSpec)
-
-    @classmethod
-    def of(cls, stage: StageSpec) -> "Layout":
-        """The layout of an explicit stage."""
-        return cls(tp=stage.tp, dp=stage.dp, cp=stage.cp, sp=stage.sp, zero=stage.zero,
-                   recompute=stage.recompute, offload=stage.offload)
-
-    def stage_fields(self) -> dict:
-        """Keyword arguments for `StageSpec`."""
-        return {"tp": self.tp, "dp": self.dp, "cp": self.cp, "sp": self.sp, "zero": self.zero,
-                "recompute": self.recompute, "offload": self.offload}
-
-    def describe(self) -> str:
-        """Short text: `tp4 dp2 sp zero1 rc=full off=opt:cpu`."""
-        parts = [f"tp{self.tp}", f"dp{self.dp}"]
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}")
-        if self.sp:
-            parts.append("sp")
-        if self.zero:
-            parts.append(f"zero{self.zero}")
-        if self.recompute != "none":
-            parts.append(f"rc={self.recompute}")
-        if self.offload.any:
-            parts.append("off=" + ",".join(f"{k[:3]}:{v}" for k, v in self.offload.to_dict().items()))
-        return " ".join(parts)
-
-
-def tp_valid(model: ModelSpec, tp: int) -> bool:
-    """tp splits the heads, the kv heads (or replicates them) and the MLP evenly (as config/plan checks)."""
-    return (model.num_attention_heads % tp == 0 and (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0)
-            and model.ffn_hidden_size % tp == 0)
-
-
 def tp_choices(model: ModelSpec, num_devices: int, node_count: int) -> list[int]:
     """tp degrees for a stage of `num_devices` devices whose tp groups must stay inside nodes of `node_count`."""
     return [t for t in range(1, min(num_devices, node_count) + 1)
             if num_devices % t == 0 and (num_devices <= node_count or node_count % t == 0) and tp_valid(model, t)]
 
 
-def offload_allowed(lay: Layout, *, offload_zero: tuple[int, ...] | None = None,
+def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None = None,
                     offload_params_max_tp: int | None = None) -> bool:
     """Whether `lay` keeps to the limits on offloading layouts: `offload_zero`, the ZeRO stages allowed when
     optimizer state or parameters leave the device, and `offload_params_max_tp`, the largest tp allowed when
@@ -89,7 +42,7 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
                    zero: tuple[int, ...] = (0, 1, 2, 3), recompute: tuple[str, ...] = ("none", "selective", "full"),
                    offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES, sp: tuple[bool, ...] = (False, True),
                    offload_zero: tuple[int, ...] | None = None,
-                   offload_params_max_tp: int | None = None) -> list[Layout]:
+                   offload_params_max_tp: int | None = None) -> list[ParallelLayout]:
     """Every layout the planner considers for a stage of `num_devices` devices (cp = 1); `offload_zero` and
     `offload_params_max_tp` as in `offload_allowed`."""
     out = []
@@ -107,7 +60,7 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
                     for off in offload:
                         if off.params != "device" and dp > 1 and z != 3:
                             continue
-                        lay = Layout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off)
+                        lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off)
                         if offload_allowed(lay, offload_zero=offload_zero, offload_params_max_tp=offload_params_max_tp):
                             out.append(lay)
     return out

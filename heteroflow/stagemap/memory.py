@@ -27,9 +27,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from heteroflow.config.model import ModelSpec
-from heteroflow.stagemap.compute import (embedding_params_per_device, head_params_per_device, kv_heads_local,
-                                         layer_params_per_device)
-from heteroflow.stagemap.layout import Layout
+from heteroflow.layout import ParallelLayout
+from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
+                                      layer_params_per_rank)
 
 GIB = float(1 << 30)
 RESERVE_GIB = 1.0
@@ -85,7 +85,7 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
     """Stored activations of one block for one micro-batch on one device."""
     h, d = model.hidden_size, model.kv_channels
     h_e = h / tp if sp else h
-    q, kv = model.num_attention_heads // tp * d, kv_heads_local(model, tp) * d
+    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
     f_loc = model.ffn_hidden_size / tp
     up = 2 if model.activation == "swiglu" else 1
     if recompute == "full":
@@ -129,14 +129,14 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
                        reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob)
 
 
-def memory_model(model: ModelSpec, layout: Layout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
+def memory_model(model: ModelSpec, layout: ParallelLayout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
     """The memory model of one device of a stage with `layout`, `tokens` tokens per micro-batch per device."""
     parts = memory_parts(model, tp=layout.tp, sp=layout.sp, tokens=tokens, precision=precision,
                          capacity_gib=capacity_gib)
     return memory_from_parts(parts, layout)
 
 
-def memory_from_parts(parts: MemoryParts, layout: Layout) -> MemoryModel:
+def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel:
     """Apply a layout's ZeRO stage, recompute and offload to the shared pieces."""
     dp, zero, off = layout.dp, layout.zero, layout.offload
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
@@ -171,7 +171,7 @@ def memory_from_parts(parts: MemoryParts, layout: Layout) -> MemoryModel:
 _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-def memory_total_from_parts(parts: MemoryParts, layout: Layout) -> Affine:
+def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
     a test checks both agree)."""
     dp, zero, off = layout.dp, layout.zero, layout.offload
@@ -214,5 +214,5 @@ def memory_total_from_parts(parts: MemoryParts, layout: Layout) -> Affine:
 def _params(model: ModelSpec, tp: int) -> tuple[float, float, float, float]:
     """(per block, first-stage extra, last-stage extra, tied-head saving when first and last) per device."""
     tied = -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0
-    return (layer_params_per_device(model, tp), embedding_params_per_device(model, tp),
-            head_params_per_device(model, tp, single_stage=False), tied)
+    return (layer_params_per_rank(model, tp), embedding_params_per_rank(model, tp),
+            head_params_per_rank(model, tp, single_stage=False), tied)

@@ -13,7 +13,8 @@ from heteroflow.config.job import JobConfig
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs, stage_costs_many
 from heteroflow.stagemap.dp import Option
 from heteroflow.stagemap.hardware import Hardware
-from heteroflow.stagemap.layout import Layout
+from heteroflow.layout import ParallelLayout
+from heteroflow.layout.shards import layer_params_per_rank
 from heteroflow.stagemap.memory import GIB
 
 # Columns of the coefficient matrix (`coefficients`): times, tail and memory as affine functions of the
@@ -25,7 +26,7 @@ _F, _FF, _FL, _B, _BF, _BL, _TC, _TL, _TF, _TLA, _TB, _MC, _ML, _MI, _MF, _MLA, 
 class LayoutTable:
     """The layouts of one stage shape and micro-batch size that some position could prefer."""
 
-    layouts: list[Layout]
+    layouts: list[ParallelLayout]
     costs: list[StageCosts]
     coef: np.ndarray
     capacity_bytes: float
@@ -38,7 +39,7 @@ def coefficients(c: StageCosts) -> list[float]:
             mem.const, mem.per_layer, mem.per_layer_in_flight, mem.first, mem.last, mem.both]
 
 
-def layout_table(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: list[Layout],
+def layout_table(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: list[ParallelLayout],
                  micro_batch_size: int) -> LayoutTable:
     """Price `layouts` and drop those another layout beats in every coefficient (exact: all figures are
     non-decreasing in every coefficient for every position)."""
@@ -79,7 +80,7 @@ class SlotCurve:
     backward: np.ndarray
     tail: np.ndarray
     fits: np.ndarray
-    layouts: list[Layout]
+    layouts: list[ParallelLayout]
     least_time: np.ndarray
     """[layers - 1]: least F + B over the layouts that fit (inf where none does)."""
     least_tail: float
@@ -203,17 +204,16 @@ class QuickStats:
 _RC_RANK = {"none": 0, "selective": 1, "full": 2}
 
 
-def _speed_rank(lay: Layout) -> tuple:
+def _speed_rank(lay: ParallelLayout) -> tuple:
     return (lay.zero >= 2, lay.zero, _RC_RANK[lay.recompute], lay.offload.any)
 
 
-def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: list[Layout],
+def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: list[ParallelLayout],
                 micro_batch_size: int) -> QuickStats:
     """Valid bounds: per-layer time and the first/last extras only grow with ZeRO 2/3, recompute and
     offload, so only the fastest layout per (tp, sp) is priced; memory bounds come from closed formulas."""
-    from heteroflow.stagemap.compute import layer_params_per_device
     from heteroflow.stagemap.memory import RESERVE_FRACTION, RESERVE_GIB, activation_bytes, state_bytes_per_param
-    fastest: dict[tuple, Layout] = {}
+    fastest: dict[tuple, ParallelLayout] = {}
     for lay in layouts:
         key = (lay.tp, lay.sp)
         if key not in fastest or _speed_rank(lay) < _speed_rank(fastest[key]):
@@ -223,7 +223,7 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
     room = hw.device.memory_gib * GIB - (RESERVE_GIB + RESERVE_FRACTION * hw.device.memory_gib) * GIB
     state = act = float("inf")
     for lay in layouts:
-        p_layer = layer_params_per_device(job.model, lay.tp)
+        p_layer = layer_params_per_rank(job.model, lay.tp)
         off = lay.offload
         weights = 0.0 if off.params != "device" else wb / (lay.dp if lay.zero >= 3 else 1)
         grads = 0.0 if off.params != "device" else gb / (lay.dp if lay.zero >= 2 else 1)

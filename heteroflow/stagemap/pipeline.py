@@ -1,5 +1,8 @@
 """Pipeline time of 1F1B and GPipe with unequal stage times: a closed form and a discrete-event simulator.
 
+The simulators time the action lists of `layout.schedule`, the lists the runtime executes, so the planner
+prices the schedule that runs; the closed form is checked against them.
+
 Stage k takes `F[k]` per micro-batch forward and `B[k]` backward, each including the boundary transfer
 it receives (the receiver pays, see comm.py); there are m micro-batches. 1F1B is Megatron's schedule:
 stage k runs w_k = min(p-1-k, m) warm-up forwards, then alternates one forward and one backward, then
@@ -25,17 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULE_NAMES = ("1f1b", "gpipe")
+from heteroflow.layout.schedule import BACKWARD, FORWARD, in_flight, stage_actions, warmup_forwards
 
-
-def warmup(p: int, k: int, m: int) -> int:
-    """1F1B warm-up forwards of stage k."""
-    return min(p - 1 - k, m)
-
-
-def in_flight(schedule: str, p: int, k: int, m: int) -> int:
-    """Micro-batches whose activations stage k holds at once."""
-    return m if schedule == "gpipe" else min(p - k, m)
+__all__ = ["Event", "in_flight", "pipeline_time", "shared_makespan", "simulate", "simulate_shared"]
 
 
 def pipeline_time(F: list[float], B: list[float], m: int, schedule: str) -> float:
@@ -50,7 +45,7 @@ def pipeline_time(F: list[float], B: list[float], m: int, schedule: str) -> floa
     for j in range(p):
         pre_b += B[j]
         max_b = max(max_b, B[j])
-        steady = m - warmup(p, j, m) - 1
+        steady = m - warmup_forwards(p, j, m) - 1
         if steady >= 1:
             cand = a[j] + steady * (F[j] + B[j]) + d[j]
         else:
@@ -67,7 +62,7 @@ def _first_backward_start(F: list[float], B: list[float], m: int) -> list[float]
     for k in range(p):
         pre += F[k]
         mx = max(mx, F[k])
-        fs.append(pre + min(warmup(p, k, m), m - 1) * mx)
+        fs.append(pre + min(warmup_forwards(p, k, m), m - 1) * mx)
     a = [0.0] * p
     end_next = 0.0
     for k in range(p - 1, -1, -1):
@@ -88,29 +83,13 @@ class Event:
     end_s: float
 
 
-def stage_order(p: int, k: int, m: int, schedule: str) -> list[tuple[str, int]]:
-    """The order in which stage k runs forwards ("F", i) and backwards ("B", i)."""
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    w = warmup(p, k, m)
-    order = [("F", i) for i in range(w)]
-    nf, nb = w, 0
-    while nb < m:
-        if nf < m:
-            order.append(("F", nf))
-            nf += 1
-        order.append(("B", nb))
-        nb += 1
-    return order
-
-
 def simulate(compute_f: list[float], compute_b: list[float], recv: list[float], m: int,
              schedule: str) -> tuple[float, list[Event]]:
     """Discrete-event simulation: each stage runs its operations in schedule order, each as soon as the
     stage is free and its input has arrived. `recv[k]` is the transfer between stages k and k+1, paid by
     the receiver before it computes (forward: stage k+1; backward: stage k). Returns (makespan, events)."""
     p = len(compute_f)
-    orders = [stage_order(p, k, m, schedule) for k in range(p)]
+    orders = [stage_actions(schedule, p, k, m) for k in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     position = [0] * p
     free = [0.0] * p
@@ -120,19 +99,20 @@ def simulate(compute_f: list[float], compute_b: list[float], recv: list[float], 
         progressed = False
         for k in range(p):
             while position[k] < len(orders[k]):
-                kind, i = orders[k][position[k]]
-                if kind == "F":
-                    ready = 0.0 if k == 0 else done.get(("F", k - 1, i))
+                action = orders[k][position[k]]
+                kind, i = action.kind, action.micro_batch
+                if kind == FORWARD:
+                    ready = 0.0 if k == 0 else done.get((FORWARD, k - 1, i))
                     transfer, work = (recv[k - 1] if k > 0 else 0.0), compute_f[k]
                 else:
-                    ready = done.get(("F", k, i)) if k == p - 1 else done.get(("B", k + 1, i))
+                    ready = done.get((FORWARD, k, i)) if k == p - 1 else done.get((BACKWARD, k + 1, i))
                     transfer, work = (recv[k] if k < p - 1 else 0.0), compute_b[k]
                 if ready is None:
                     break
                 start = max(free[k], ready)
                 if transfer > 0:
-                    events.append(Event(k, "recv_fwd" if kind == "F" else "recv_bwd", i, start, start + transfer))
-                events.append(Event(k, "forward" if kind == "F" else "backward", i, start + transfer,
+                    events.append(Event(k, "recv_fwd" if kind == FORWARD else "recv_bwd", i, start, start + transfer))
+                events.append(Event(k, "forward" if kind == FORWARD else "backward", i, start + transfer,
                                     start + transfer + work))
                 free[k] = start + transfer + work
                 done[(kind, k, i)] = free[k]
@@ -148,7 +128,7 @@ def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, th
     it computes and all stages share `cores` cores (see the module docstring). F and B include the
     receiver-paid transfer, as in `pipeline_time`."""
     p = len(F)
-    orders = [stage_order(p, k, m, schedule) for k in range(p)]
+    orders = [stage_actions(schedule, p, k, m) for k in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     position = [0] * p
     left: list[float | None] = [None] * p
@@ -157,13 +137,14 @@ def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, th
     while True:
         for k in range(p):
             if left[k] is None and position[k] < len(orders[k]):
-                kind, i = orders[k][position[k]]
-                if kind == "F":
-                    ready = k == 0 or ("F", k - 1, i) in done
+                action = orders[k][position[k]]
+                kind, i = action.kind, action.micro_batch
+                if kind == FORWARD:
+                    ready = k == 0 or (FORWARD, k - 1, i) in done
                 else:
-                    ready = ("F", k, i) in done if k == p - 1 else ("B", k + 1, i) in done
+                    ready = (FORWARD, k, i) in done if k == p - 1 else (BACKWARD, k + 1, i) in done
                 if ready:
-                    left[k] = F[k] if kind == "F" else B[k]
+                    left[k] = F[k] if kind == FORWARD else B[k]
         running = [k for k in range(p) if left[k] is not None]
         if not running:
             break
@@ -173,7 +154,8 @@ def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, th
         for k in running:
             left[k] -= step
             if left[k] <= 1e-12 * max(1.0, step):
-                kind, i = orders[k][position[k]]
+                action = orders[k][position[k]]
+                kind, i = action.kind, action.micro_batch
                 done[(kind, k, i)] = now
                 position[k] += 1
                 left[k] = None

@@ -227,7 +227,7 @@ class Planner:
             return None
         value, chosen = found
         stages = tuple(StageSpec(devices=g.devices, device_refs=g.refs, device_type=self.classes[c].device_type,
-                                 layers=o.layers, **o.layout.stage_fields())
+                                 layers=o.layers, layout=o.layout)
                        for (c, _, g), o in zip(slots, chosen))
         return value, PlanSpec(stages=stages, schedule=schedule, micro_batch_size=mbs)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from heteroflow.config.cluster import DeviceRef
 from heteroflow.config.job import JobConfig
-from heteroflow.config.plan import OffloadSpec
+from heteroflow.layout import OffloadSpec
 from heteroflow.stagemap.layout import OFFLOAD_CHOICES, search_layouts, tp_choices
 
 

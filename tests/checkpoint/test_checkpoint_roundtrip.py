@@ -22,7 +22,7 @@ from heteroflow.checkpoint.stage_state import load_stage, stage_pieces
 from heteroflow.errors import UserError
 from heteroflow.models.data_parallel import DataParallelAdamW
 from heteroflow.models.shard import ParamShard, even_split, set_shard, shard_of
-from heteroflow.remap import Axis, Layout
+from heteroflow.remap import Axis, TensorLayout
 from heteroflow.remap.local import shard
 
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -68,7 +68,7 @@ def test_pieces_written_under_one_layout_read_under_another(tmp_path):
     gen = torch.Generator().manual_seed(0)
     full = {kind: torch.randn(12, 8, generator=gen) for kind in KINDS}
     # Written by 4 ranks as dp=2 (replicas) x tp=2 over rows; replicas write once.
-    src = Layout(shape=(12, 8), axes=(Axis("dp", 2), Axis("tp", 2, 0)), ranks=range(4))
+    src = TensorLayout(shape=(12, 8), axes=(Axis("dp", 2), Axis("tp", 2, 0)), ranks=range(4))
     shards = {kind: shard(full[kind], src) for kind in KINDS}
     writers = {holders[0] for _, holders in src.blocks()}
 
@@ -81,7 +81,7 @@ def test_pieces_written_under_one_layout_read_under_another(tmp_path):
     final = run_fake_ranks(4, write)[0]
     assert complete_checkpoints(tmp_path) == [(5, final)]
     # Read as 3 x 2 blocks over (rows, columns): boxes that cut across the writers' blocks.
-    dst = Layout(shape=(12, 8), axes=(Axis("a", 3, 0), Axis("b", 2, 1)), ranks=range(6))
+    dst = TensorLayout(shape=(12, 8), axes=(Axis("a", 3, 0), Axis("b", 2, 1)), ranks=range(6))
     expected = {kind: shard(full[kind], dst) for kind in KINDS}
     with CheckpointReader(final) as reader:
         for rank, kind in itertools.product(dst.ranks, KINDS):

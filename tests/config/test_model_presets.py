@@ -43,7 +43,7 @@ def test_plan_round_trips_through_a_plan_file(tmp_path):
     plan_file = tmp_path / "plan.yaml"
     plan_file.write_text(yaml.safe_dump({"plan": {**job.plan.to_dict(), "predicted": {"step_time_s": 1.0}}}))
     assert load_plan_file(plan_file, job) == job.plan
-    assert job.plan.stages[1].offload.optimizer == "cpu" and job.plan.stages[0].sp
+    assert job.plan.stages[1].layout.offload.optimizer == "cpu" and job.plan.stages[0].layout.sp
 
 
 def test_job_round_trips_through_its_dict():

@@ -136,4 +136,4 @@ def test_arguments_passed_through_with_dollar_at(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text('torchrun --nproc_per_node 8 pretrain_gpt.py "$@"\n')
     result = import_megatron(script, ImportOptions(device_type="cpu", script_args=tuple(BASE_ARGS.split())))
-    assert result.job.model.num_layers == 8 and result.layout.dp == 8
+    assert result.job.model.num_layers == 8 and result.layout.parallel.dp == 8

@@ -31,7 +31,7 @@ def test_gpt3_175b_model_layout_and_plan():
     assert m.position_embedding == "learned" and m.tie_embeddings
     assert m.vocab_size == 51200  # GPT-2 BPE 50257 padded to a multiple of 128 x tp 8
     lay = result.layout
-    assert (lay.tp, lay.pp, lay.cp, lay.dp, lay.world_size) == (8, 16, 1, 1, 128)
+    assert (lay.parallel.tp, lay.pp, lay.parallel.cp, lay.parallel.dp, lay.world_size) == (8, 16, 1, 1, 128)
     assert len(job.plan.stages) == 16 and {s.layers for s in job.plan.stages} == {6}
     assert [s.devices for s in job.plan.stages[:2]] == [("node-0",), ("node-1",)]
     assert job.train.precision == "fp16" and job.train.global_batch_size == 1536
@@ -92,7 +92,7 @@ def test_llama3_arrays_conditionals_and_fp8():
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_kv_heads, m.head_dim) == (32, 4096, 14336, 8, 128)
     assert (m.rope_theta, m.normalization, m.activation, m.tie_embeddings) == (500000.0, "rmsnorm", "swiglu", False)
     assert m.vocab_size == 128512  # NullTokenizer: 128256 + EOD, padded to a multiple of 128 x tp 2
-    assert [(s.tp, s.dp, s.sp, s.zero, s.layers) for s in job.plan.stages] == [(2, 2, True, 1, 16)] * 2
+    assert [(s.layout.tp, s.layout.dp, s.layout.sp, s.layout.zero, s.layers) for s in job.plan.stages] == [(2, 2, True, 1, 16)] * 2
     assert [s.devices for s in job.plan.stages] == [("node-0:0-3",), ("node-0:4-7",)]
     assert job.plan.micro_batch_size == 2 and job.train.precision == "bf16"
     fp8 = entry(result, "--fp8-format")
@@ -119,7 +119,7 @@ def test_llama3_real_data_branch_reads_the_tokenizer_and_data():
 
 def test_llama3_tp_from_the_environment_changes_the_layout():
     result = import_megatron(LLAMA3, ImportOptions(device_type="nvidia-h100-sxm", env={"TP_SIZE": "4"}))
-    assert [(s.tp, s.dp) for s in result.job.plan.stages] == [(4, 1), (4, 1)]
+    assert [(s.layout.tp, s.layout.dp) for s in result.job.plan.stages] == [(4, 1), (4, 1)]
     assert result.job.model.vocab_size == 128512  # 128257 padded to a multiple of 512
 
 
@@ -145,7 +145,7 @@ def test_megatron_yaml_cfg():
     m, plan = result.job.model, result.job.plan
     assert (m.num_layers, m.hidden_size, m.activation, m.normalization) == (24, 2048, "swiglu", "rmsnorm")
     assert m.ffn_hidden_size == int(4 * 2048 * 2 / 3 / 64) * 64  # Megatron's SwiGLU default
-    assert [(s.tp, s.dp, s.sp, s.zero, s.recompute) for s in plan.stages] == [(2, 2, True, 1, "selective")] * 2
+    assert [(s.layout.tp, s.layout.dp, s.layout.sp, s.layout.zero, s.layout.recompute) for s in plan.stages] == [(2, 2, True, 1, "selective")] * 2
     assert entry(result, "swiglu").disposition == "ignored"  # language_model.activation_func decides
     assert entry(result, "language_model.layernorm_epsilon").disposition == "mapped"
     assert entry(result, "language_model.num_moe_experts").value == "null"
@@ -165,7 +165,7 @@ def test_megatron_yaml_on_a_given_cluster_uses_all_of_it(write_yaml):
             - {name: npu-0, device: ascend-910b2, count: 8}
         """, "cluster.yaml")
     result = import_megatron(YAML_CFG, ImportOptions(cluster=cluster))
-    assert result.layout.world_size == 16 and result.layout.dp == 4
+    assert result.layout.world_size == 16 and result.layout.parallel.dp == 4
     assert [s.devices for s in result.job.plan.stages] == [("gpu-0",), ("npu-0",)]
     assert [s.device_type for s in result.job.plan.stages] == ["nvidia-a100-80g", "ascend-910b2"]
 
@@ -186,9 +186,9 @@ def test_nemo_model_yaml():
     m = job.model
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.seq_length) == (32, 4096, 11008, 4096)
     assert (m.activation, m.normalization, m.tie_embeddings, m.vocab_size) == ("swiglu", "rmsnorm", False, 32256)
-    assert result.layout.world_size == 16 and (result.layout.tp, result.layout.pp, result.layout.dp) == (4, 2, 2)
-    assert [s.recompute for s in job.plan.stages] == ["full", "full"]
-    assert [s.zero for s in job.plan.stages] == [1, 1]
+    assert result.layout.world_size == 16 and (result.layout.parallel.tp, result.layout.pp, result.layout.parallel.dp) == (4, 2, 2)
+    assert [s.layout.recompute for s in job.plan.stages] == ["full", "full"]
+    assert [s.layout.zero for s in job.plan.stages] == [1, 1]
     assert job.train.precision == "bf16" and job.train.steps == 300000 and job.train.warmup_steps == 2000
     assert (job.train.adam_beta2, job.train.min_lr) == (0.95, 3e-5)
     assert entry(result, "model.max_position_embeddings").value == "${.encoder_seq_length}"
@@ -214,7 +214,7 @@ def test_arguments_in_multiline_strings_ascend_style():
     job = result.job
     assert result.report.launcher.startswith("torch.distributed.launch pretrain_gpt.py")
     assert (job.model.num_layers, job.model.num_kv_heads, job.model.vocab_size) == (80, 8, 32000)
-    assert [(s.devices, s.tp, s.sp, s.layers) for s in job.plan.stages] == [(("node-0",), 8, True, 40),
+    assert [(s.devices, s.layout.tp, s.layout.sp, s.layers) for s in job.plan.stages] == [(("node-0",), 8, True, 40),
                                                                            (("node-1",), 8, True, 40)]
     assert job.train.warmup_steps == 50  # --lr-warmup-fraction 0.01 of 5000 steps
     assert entry(result, "--use-fused-rmsnorm").disposition == "ignored"
@@ -225,7 +225,7 @@ def test_megatron_deepspeed_options_string_and_eval():
     result = import_megatron(SCRIPTS / "ds_pretrain_gpt_350m.sh", ImportOptions(device_type="nvidia-a100-80g"))
     job = result.job
     assert result.report.launcher.startswith("deepspeed pretrain_gpt.py (line 59)")  # the eval, not the echo
-    assert [(s.tp, s.dp, s.zero, s.recompute) for s in job.plan.stages] == [(2, 2, 1, "full")] * 2
+    assert [(s.layout.tp, s.layout.dp, s.layout.zero, s.layout.recompute) for s in job.plan.stages] == [(2, 2, 1, "full")] * 2
     assert job.model.vocab_size == 50432 and job.train.precision == "fp16"  # 50257 to a multiple of 128 x tp 2
     assert entry(result, "--zero-stage").detail == "plan.stages[*].zero = 1"
     assert entry(result, "--deepspeed_config").disposition == "ignored"

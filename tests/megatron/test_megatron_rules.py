@@ -93,7 +93,7 @@ def test_unknown_world_size_asks_for_it(tmp_path):
 
 def test_sequence_parallel_is_switched_off_at_tp_1(tmp_path):
     result = import_args(tmp_path, "--sequence-parallel")
-    assert not result.job.plan.stages[0].sp
+    assert not result.job.plan.stages[0].layout.sp
     assert "disables sequence parallelism when tp = 1" in entry(result, "--sequence-parallel").detail
 
 
@@ -140,7 +140,7 @@ def test_zero_and_recompute_and_offload(tmp_path):
                                    "--recompute-granularity full --recompute-method block --recompute-num-layers 2 "
                                    "--optimizer-cpu-offload --use-precision-aware-optimizer --exp-avg-dtype bf16")
     stage = result.job.plan.stages[0]
-    assert (stage.zero, stage.recompute, stage.offload.optimizer) == (2, "full", "cpu")
+    assert (stage.layout.zero, stage.layout.recompute, stage.layout.offload.optimizer) == (2, "full", "cpu")
     assert entry(result, "--recompute-num-layers").disposition == "approximated"
     assert entry(result, "--exp-avg-dtype").disposition == "approximated"
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from heteroflow.config import PRESETS
 from heteroflow.data import SampleOrder, micro_batch_indices
-from heteroflow.models import (DataParallelAdamW, StageLayout, build_stage_model, init_weights, parallelize_stage,
+from heteroflow.layout import ParallelLayout
+from heteroflow.models import (DataParallelAdamW, build_stage_model, init_weights, parallelize_stage,
                                shard_of, sync_tied_grads)
 
 SPEC = replace(PRESETS["micro-llama"], num_layers=2, tie_embeddings=True)
@@ -70,7 +71,7 @@ def _tp_dp_check(rank, tp_groups, dp_groups):
     tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
     dp_rank = rank // 2
     history = _reference(2)
-    for zero, layout in ((0, StageLayout(tp=2)), (1, StageLayout(tp=2, sp=True, recompute="full"))):
+    for zero, layout in ((0, ParallelLayout(tp=2)), (1, ParallelLayout(tp=2, sp=True, recompute="full"))):
         model = parallelize_stage(_model(), layout=layout, tp_group=tp_group)
         init_weights(model, seed=4)
         opt = DataParallelAdamW(model, dp_group=dp_group, tp_group=tp_group, zero=zero, **HP)
@@ -103,7 +104,7 @@ def _tied_pipeline_check(rank, tp_last, dp_first):
         opt = DataParallelAdamW(model, dp_group=dp_first, zero=1, **HP)
         tp_rank, dp_rank = 0, rank
     else:
-        model = parallelize_stage(_model(1, 2), layout=StageLayout(tp=2), tp_group=tp_last)
+        model = parallelize_stage(_model(1, 2), layout=ParallelLayout(tp=2), tp_group=tp_last)
         init_weights(model, seed=4)
         parts = [torch.empty(1, SPEC.seq_length, SPEC.hidden_size) for _ in range(2)]
         for src in (0, 1):

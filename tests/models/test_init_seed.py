@@ -7,7 +7,8 @@ from dataclasses import replace
 import torch
 
 from heteroflow.config import PRESETS
-from heteroflow.models import StageLayout, build_stage_model, init_weights, materialize, parallelize_stage
+from heteroflow.layout import ParallelLayout
+from heteroflow.models import build_stage_model, init_weights, materialize, parallelize_stage
 from heteroflow.models.init import full_init_value, param_seed
 
 SPEC = replace(PRESETS["micro-llama"], num_layers=4, tie_embeddings=True)
@@ -49,7 +50,7 @@ def test_seed_hash_is_stable_across_processes_and_versions():
 def test_meta_build_then_materialize_keeps_ties_and_gives_the_same_weights():
     with torch.device("meta"):
         model = build_stage_model(SPEC, first_layer=0, last_layer=4, is_first=True, is_last=True)
-    parallelize_stage(model, layout=StageLayout(recompute="full"))
+    parallelize_stage(model, layout=ParallelLayout(recompute="full"))
     materialize(model, "cpu")
     assert model.head.weight is model.embed.weight and model.embed.weight.device.type == "cpu"
     init_weights(model, seed=5)

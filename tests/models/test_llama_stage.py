@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from heteroflow.config import PRESETS
-from heteroflow.models import StageLayout, build_stage_model, init_weights, parallelize_stage, tied_parameter_names
+from heteroflow.layout import ParallelLayout
+from heteroflow.models import build_stage_model, init_weights, parallelize_stage, tied_parameter_names
 from heteroflow.models.llama import IGNORE_INDEX
 
 BASE = replace(PRESETS["micro-llama"], num_layers=3)
@@ -26,7 +27,7 @@ def stage(spec, first, last, seed=11, recompute="none"):
                               is_last=last == spec.num_layers)
     init_weights(model, seed=seed)
     if recompute != "none":
-        parallelize_stage(model, layout=StageLayout(recompute=recompute))
+        parallelize_stage(model, layout=ParallelLayout(recompute=recompute))
     return model
 
 
@@ -116,4 +117,4 @@ def test_bad_stage_bounds_are_rejected():
     with pytest.raises(ValueError, match="cannot hold the embedding"):
         build_stage_model(BASE, first_layer=1, last_layer=3, is_first=True, is_last=True)
     with pytest.raises(ValueError, match="tp group"):
-        parallelize_stage(stage(BASE, 0, 3), layout=StageLayout(tp=2))
+        parallelize_stage(stage(BASE, 0, 3), layout=ParallelLayout(tp=2))

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from dist_helpers import run_ranks
 from heteroflow.config import PRESETS
-from heteroflow.models import (HFCheckpoint, StageLayout, all_reduce_partial_grads, build_stage_model, init_weights,
+from heteroflow.layout import ParallelLayout
+from heteroflow.models import (HFCheckpoint, all_reduce_partial_grads, build_stage_model, init_weights,
                                materialize, parallelize_stage, shard_of)
 from heteroflow.models.hf_checkpoint import write_hf_checkpoint
 
@@ -79,16 +80,16 @@ def _compare_stage(spec, layout, *, whole: bool, ckpt_dir=None):
 
 
 MIDDLE_CASES = [
-    (BASE, StageLayout(tp=2)),
-    (BASE, StageLayout(tp=2, sp=True, recompute="full")),
-    (replace(BASE, num_kv_heads=1, qkv_bias=True, qk_norm=True), StageLayout(tp=2, sp=True, recompute="selective")),
-    (replace(BASE, num_kv_heads=1), StageLayout(tp=2, recompute="selective")),
+    (BASE, ParallelLayout(tp=2)),
+    (BASE, ParallelLayout(tp=2, sp=True, recompute="full")),
+    (replace(BASE, num_kv_heads=1, qkv_bias=True, qk_norm=True), ParallelLayout(tp=2, sp=True, recompute="selective")),
+    (replace(BASE, num_kv_heads=1), ParallelLayout(tp=2, recompute="selective")),
 ]
 WHOLE_CASES = [
-    (replace(BASE, vocab_size=97), StageLayout(tp=2)),  # tp does not divide the vocabulary
+    (replace(BASE, vocab_size=97), ParallelLayout(tp=2)),  # tp does not divide the vocabulary
     (replace(BASE, tie_embeddings=True, activation="gelu", normalization="layernorm", position_embedding="learned"),
-     StageLayout(tp=2, sp=True)),
-    (replace(BASE, qkv_bias=True, vocab_size=101), StageLayout(tp=2, sp=True, recompute="full")),
+     ParallelLayout(tp=2, sp=True)),
+    (replace(BASE, qkv_bias=True, vocab_size=101), ParallelLayout(tp=2, sp=True, recompute="full")),
 ]
 
 
@@ -100,7 +101,7 @@ def _worker(rank, world, ckpt_dir):
         print("first and last stage:", layout, spec, flush=True)
         _compare_stage(spec, layout, whole=True)
     print("init_from a sharded qwen2 checkpoint, tp 2 + sp", flush=True)
-    _compare_stage(replace(BASE, qkv_bias=True), StageLayout(tp=2, sp=True), whole=True, ckpt_dir=ckpt_dir)
+    _compare_stage(replace(BASE, qkv_bias=True), ParallelLayout(tp=2, sp=True), whole=True, ckpt_dir=ckpt_dir)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from heteroflow.backends.transport import DirectTransport, HostBridge
-from heteroflow.remap import Layout, plan_transfer
+from heteroflow.remap import TensorLayout, plan_transfer
 from heteroflow.remap.executor import RemapExecutor
 from heteroflow.remap.local import shard
 from heteroflow.testing import run_ranks
@@ -30,7 +30,7 @@ class _Groups:
     def __init__(self):
         self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-    def of(self, layout: Layout, rank: int) -> dist.ProcessGroup | None:
+    def of(self, layout: TensorLayout, rank: int) -> dist.ProcessGroup | None:
         mine = None
         for _, holders in layout.blocks():
             if len(holders) > 1:
@@ -41,7 +41,7 @@ class _Groups:
         return mine
 
 
-def _partials(grad: torch.Tensor, layout: Layout, seed: int) -> dict[int, torch.Tensor]:
+def _partials(grad: torch.Tensor, layout: TensorLayout, seed: int) -> dict[int, torch.Tensor]:
     """Integer partial sums over each replica set that add up to `grad`'s shares exactly."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -63,8 +63,8 @@ def grid_worker(rank: int, world_size: int, pairs: list, dtype: torch.dtype) -> 
     checked = 0
     for index, (s, d) in enumerate(pairs):
         src_ranks, dst_ranks = placement(s, d, world_size)
-        src = Layout.activation(GRID_SHAPE, ranks=src_ranks, dp=s.dp, tp=s.tp, sp=s.sp)
-        dst = Layout.activation(GRID_SHAPE, ranks=dst_ranks, dp=d.dp, tp=d.tp, sp=d.sp)
+        src = TensorLayout.activation(GRID_SHAPE, ranks=src_ranks, dp=s.dp, tp=s.tp, sp=s.sp)
+        dst = TensorLayout.activation(GRID_SHAPE, ranks=dst_ranks, dp=d.dp, tp=d.tp, sp=d.sp)
         src_group, dst_group = groups.of(src, rank), groups.of(dst, rank)
         transport = transports[index % 3]
         where = f"pair {index} {s} -> {d} via {transport.kind} on rank {rank}"

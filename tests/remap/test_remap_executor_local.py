@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heteroflow.remap import Layout, box_slices, plan_transfer
+from heteroflow.remap import TensorLayout, box_slices, plan_transfer
 from heteroflow.remap.executor import RemapExecutor
 
 
@@ -28,8 +28,8 @@ class RecordingTransport:
         return False
 
 
-SRC = Layout.activation((4, 6, 2), ranks=(0, 1), dp=1, tp=2)
-DST = Layout.activation((4, 6, 2), ranks=(2, 3), dp=1, tp=2, sp=True)
+SRC = TensorLayout.activation((4, 6, 2), ranks=(0, 1), dp=1, tp=2)
+DST = TensorLayout.activation((4, 6, 2), ranks=(2, 3), dp=1, tp=2, sp=True)
 
 
 def test_a_source_posts_its_stripe_as_contiguous_messages():

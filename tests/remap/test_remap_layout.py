@@ -1,15 +1,15 @@
-"""Layout algebra: which rank holds which box, for activations and for parameters; clear errors."""
+"""Tensor layout algebra: which rank holds which box, for activations and for parameters; clear errors."""
 
 from __future__ import annotations
 
 import pytest
 
 from heteroflow.errors import UserError
-from heteroflow.remap import Axis, Layout, LayoutError, box_intersection, box_volume, plan_transfer
+from heteroflow.remap import Axis, TensorLayout, LayoutError, box_intersection, box_volume, plan_transfer
 
 
 def test_activation_without_sp_splits_batch_over_dp_and_replicates_over_tp():
-    layout = Layout.activation((4, 8, 16), ranks=range(10, 14), dp=2, tp=2)
+    layout = TensorLayout.activation((4, 8, 16), ranks=range(10, 14), dp=2, tp=2)
     # tp innermost: ranks 10, 11 are one tp group holding the first half of the batch.
     assert layout.box(10) == layout.box(11) == ((0, 2), (0, 8), (0, 16))
     assert layout.box(12) == layout.box(13) == ((2, 4), (0, 8), (0, 16))
@@ -20,7 +20,7 @@ def test_activation_without_sp_splits_batch_over_dp_and_replicates_over_tp():
 
 
 def test_sequence_parallel_splits_seq_over_tp_inside_cp():
-    layout = Layout.activation((2, 16, 4), ranks=range(8), dp=2, cp=2, tp=2, sp=True)
+    layout = TensorLayout.activation((2, 16, 4), ranks=range(8), dp=2, cp=2, tp=2, sp=True)
     # cp is outer, tp inner: cp0tp0, cp0tp1, cp1tp0, cp1tp1 hold the four sequence quarters in order.
     assert [layout.box(r)[1] for r in range(4)] == [(0, 4), (4, 8), (8, 12), (12, 16)]
     assert layout.box(5) == ((1, 2), (4, 8), (0, 4))
@@ -29,7 +29,7 @@ def test_sequence_parallel_splits_seq_over_tp_inside_cp():
 
 
 def test_blocks_tile_the_tensor_exactly():
-    layout = Layout.activation((6, 4, 2), ranks=range(6), dp=3, tp=2)
+    layout = TensorLayout.activation((6, 4, 2), ranks=range(6), dp=3, tp=2)
     blocks = layout.blocks()
     assert sum(box_volume(box) for box, _ in blocks) == layout.numel
     for i, (a, _) in enumerate(blocks):
@@ -40,19 +40,19 @@ def test_blocks_tile_the_tensor_exactly():
 
 def test_parameter_layouts_split_any_dim():
     # A [out=8, in=6] weight: column parallel splits dim 0, row parallel splits dim 1.
-    column = Layout(shape=(8, 6), axes=(Axis("tp", 4, 0),), ranks=range(4))
-    row = Layout(shape=(8, 6), axes=(Axis("tp", 2, 1),), ranks=range(2))
+    column = TensorLayout(shape=(8, 6), axes=(Axis("tp", 4, 0),), ranks=range(4))
+    row = TensorLayout(shape=(8, 6), axes=(Axis("tp", 2, 1),), ranks=range(2))
     assert column.box(3) == ((6, 8), (0, 6))
     assert row.box(1) == ((0, 8), (3, 6))
     # Two axes splitting two dims, plus a replicated one.
-    grid = Layout(shape=(4, 6), axes=(Axis("r", 2), Axis("a", 2, 1), Axis("b", 2, 0)), ranks=range(8))
+    grid = TensorLayout(shape=(4, 6), axes=(Axis("r", 2), Axis("a", 2, 1), Axis("b", 2, 0)), ranks=range(8))
     assert grid.box(1) == ((2, 4), (0, 3)) == grid.box(5)
     assert grid.replica_set(1) == (1, 5)
 
 
 def test_uneven_but_divisible_pairs_intersect_exactly():
-    two = Layout.activation((6, 2, 3), ranks=(0, 1), dp=2)
-    three = Layout.activation((6, 2, 3), ranks=(2, 3, 4), dp=3)
+    two = TensorLayout.activation((6, 2, 3), ranks=(0, 1), dp=2)
+    three = TensorLayout.activation((6, 2, 3), ranks=(2, 3, 4), dp=3)
     assert [three.box(r)[0] for r in (2, 3, 4)] == [(0, 2), (2, 4), (4, 6)]
     assert box_intersection(two.box(0), three.box(3)) == ((2, 3), (0, 2), (0, 3))
 
@@ -68,22 +68,22 @@ def test_layouts_that_cannot_hold_the_tensor_say_why(kwargs, message):
     degrees = {k: kwargs.get(k, 1) for k in ("dp", "tp", "cp")}
     n = degrees["dp"] * degrees["tp"] * degrees["cp"]
     with pytest.raises(LayoutError) as info:
-        Layout.activation(kwargs.pop("shape"), ranks=range(n), **kwargs)
+        TensorLayout.activation(kwargs.pop("shape"), ranks=range(n), **kwargs)
     assert message in str(info.value)
     assert isinstance(info.value, UserError) and isinstance(info.value, ValueError)
 
 
 def test_divisibility_error_lists_the_degrees_that_would_work():
     with pytest.raises(LayoutError, match=r"one of \[1, 2, 3, 6\]"):
-        Layout.activation((6, 2, 2), ranks=range(4), dp=4)
+        TensorLayout.activation((6, 2, 2), ranks=range(4), dp=4)
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: Layout(shape=(4,), axes=(Axis("tp", 2, 0),), ranks=(0, 1, 2)), "3 ranks for a mesh of tp=2"),
-    (lambda: Layout(shape=(4,), axes=(Axis("tp", 2, 0),), ranks=(1, 1)), "repeat a rank"),
-    (lambda: Layout(shape=(4,), axes=(Axis("tp", 2, 1),), ranks=(0, 1)), "splits dim 1, but the tensor has 1 dims"),
-    (lambda: Layout(shape=(4,), axes=(Axis("a", 1), Axis("a", 1)), ranks=(0,)), "names must be unique"),
-    (lambda: Layout(shape=(4,), axes=(Axis("a", 0),), ranks=()), "has size 0"),
+    (lambda: TensorLayout(shape=(4,), axes=(Axis("tp", 2, 0),), ranks=(0, 1, 2)), "3 ranks for a mesh of tp=2"),
+    (lambda: TensorLayout(shape=(4,), axes=(Axis("tp", 2, 0),), ranks=(1, 1)), "repeat a rank"),
+    (lambda: TensorLayout(shape=(4,), axes=(Axis("tp", 2, 1),), ranks=(0, 1)), "splits dim 1, but the tensor has 1 dims"),
+    (lambda: TensorLayout(shape=(4,), axes=(Axis("a", 1), Axis("a", 1)), ranks=(0,)), "names must be unique"),
+    (lambda: TensorLayout(shape=(4,), axes=(Axis("a", 0),), ranks=()), "has size 0"),
 ])
 def test_malformed_meshes_are_rejected(make, message):
     with pytest.raises(LayoutError, match=message):
@@ -91,13 +91,13 @@ def test_malformed_meshes_are_rejected(make, message):
 
 
 def test_remapping_tensors_of_different_shapes_is_an_error():
-    a = Layout.activation((4, 8, 16), ranks=range(2), dp=2)
-    b = Layout.activation((4, 16, 16), ranks=range(2, 4), dp=2)
+    a = TensorLayout.activation((4, 8, 16), ranks=range(2), dp=2)
+    b = TensorLayout.activation((4, 16, 16), ranks=range(2, 4), dp=2)
     with pytest.raises(LayoutError, match="logical shapes differ"):
         plan_transfer(a, b)
 
 
 def test_describe_leaves_out_trivial_axes():
-    layout = Layout.activation((4, 8, 16), ranks=range(4), dp=2, tp=2, sp=True)
+    layout = TensorLayout.activation((4, 8, 16), ranks=range(4), dp=2, tp=2, sp=True)
     assert layout.describe() == "[batch=4, seq=8, hidden=16] over dp=2(batch) x tp=2(seq)"
-    assert "one rank" in Layout.activation((1, 1, 1), ranks=[0]).describe()
+    assert "one rank" in TensorLayout.activation((1, 1, 1), ranks=[0]).describe()

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from heteroflow.remap import Axis, Layout, box_contains, box_volume, plan_transfer
+from heteroflow.remap import Axis, TensorLayout, box_contains, box_volume, plan_transfer
 from heteroflow.remap.local import apply_plan, reshard, shard, unshard
 from heteroflow.testing.grid import GRID_SHAPE, degree_grid, placement
 
@@ -18,8 +18,8 @@ PAIRS = list(itertools.product(GRID, GRID))
 
 def layouts(src, dst, world_size=16):
     src_ranks, dst_ranks = placement(src, dst, world_size)
-    return (Layout.activation(GRID_SHAPE, ranks=src_ranks, dp=src.dp, tp=src.tp, sp=src.sp),
-            Layout.activation(GRID_SHAPE, ranks=dst_ranks, dp=dst.dp, tp=dst.tp, sp=dst.sp))
+    return (TensorLayout.activation(GRID_SHAPE, ranks=src_ranks, dp=src.dp, tp=src.tp, sp=src.sp),
+            TensorLayout.activation(GRID_SHAPE, ranks=dst_ranks, dp=dst.dp, tp=dst.tp, sp=dst.sp))
 
 
 def test_grid_is_the_issue_grid():
@@ -62,8 +62,8 @@ def test_all_source_ranks_share_the_sending_and_all_receivers_the_receiving():
 
 
 def test_aligned_layouts_send_whole_blocks_without_cutting():
-    src = Layout.activation((4, 8, 6), ranks=range(4), dp=2, tp=2)
-    dst = Layout.activation((4, 8, 6), ranks=range(4, 8), dp=4, tp=1)
+    src = TensorLayout.activation((4, 8, 6), ranks=range(4), dp=2, tp=2)
+    dst = TensorLayout.activation((4, 8, 6), ranks=range(4, 8), dp=4, tp=1)
     plan = plan_transfer(src, dst)
     # Each tp replica of a half batch sends one of its two quarters: 4 messages, all of one sample.
     assert [(p.src, p.dst, p.box[0]) for p in plan.pieces] == [(0, 4, (0, 1)), (1, 5, (1, 2)), (2, 6, (2, 3)),
@@ -75,8 +75,8 @@ def test_aligned_layouts_send_whole_blocks_without_cutting():
 
 
 def test_replicated_to_replicated_cuts_the_block_so_both_replicas_send():
-    src = Layout.activation((2, 4, 3), ranks=(0, 1), tp=2)
-    dst = Layout.activation((2, 4, 3), ranks=(2, 3), tp=2)
+    src = TensorLayout.activation((2, 4, 3), ranks=(0, 1), tp=2)
+    dst = TensorLayout.activation((2, 4, 3), ranks=(2, 3), tp=2)
     plan = plan_transfer(src, dst)
     assert [(p.src, p.dst, p.box) for p in plan.pieces] == [(0, 2, ((0, 1), (0, 4), (0, 3))),
                                                             (1, 3, ((1, 2), (0, 4), (0, 3)))]
@@ -84,8 +84,8 @@ def test_replicated_to_replicated_cuts_the_block_so_both_replicas_send():
 
 
 def test_dp2_to_dp3_with_a_batch_of_six():
-    src = Layout.activation((6, 2, 3), ranks=(0, 1), dp=2)
-    dst = Layout.activation((6, 2, 3), ranks=(2, 3, 4), dp=3)
+    src = TensorLayout.activation((6, 2, 3), ranks=(0, 1), dp=2)
+    dst = TensorLayout.activation((6, 2, 3), ranks=(2, 3, 4), dp=3)
     plan = plan_transfer(src, dst)
     assert [(p.src, p.dst, p.box[0]) for p in plan.pieces] == [(0, 2, (0, 2)), (0, 3, (2, 3)), (1, 3, (3, 4)),
                                                                (1, 4, (4, 6))]
@@ -122,9 +122,9 @@ def test_partial_gradients_are_summed_before_crossing():
 
 def test_checkpoint_reshard_between_tp_layouts_of_a_weight():
     weight = torch.randn(8, 6)
-    tp4_rows = Layout(shape=(8, 6), axes=(Axis("tp", 4, 0),), ranks=range(4))
-    tp2_cols = Layout(shape=(8, 6), axes=(Axis("tp", 2, 1),), ranks=range(2))
-    tp2_rows_x2 = Layout(shape=(8, 6), axes=(Axis("dp", 2), Axis("tp", 2, 0)), ranks=range(4))
+    tp4_rows = TensorLayout(shape=(8, 6), axes=(Axis("tp", 4, 0),), ranks=range(4))
+    tp2_cols = TensorLayout(shape=(8, 6), axes=(Axis("tp", 2, 1),), ranks=range(2))
+    tp2_rows_x2 = TensorLayout(shape=(8, 6), axes=(Axis("dp", 2), Axis("tp", 2, 0)), ranks=range(4))
     shards = shard(weight, tp4_rows)
     for target in (tp2_cols, tp2_rows_x2):
         out = reshard(shards, tp4_rows, target)

@@ -348,7 +348,7 @@ SMALL_CARDS = {"device_types": {"small-card": {"vendor": "ascend", "memory_gib":
 
 
 def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
-    from heteroflow.config import OffloadSpec
+    from heteroflow.layout import OffloadSpec
     from heteroflow.runtime.train import check_runnable, search_plan_or_fail
     from heteroflow.stagemap import SearchOptions, search_plan
 
@@ -357,7 +357,7 @@ def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
                      "train": {"global_batch_size": 16, "precision": "bf16"}})
     assert not search_plan(job, options=SearchOptions(zero=(0, 1, 2), offload=(OffloadSpec(),))).feasible
     plan = search_plan_or_fail(job)
-    assert any(stage.offload.optimizer != "device" for stage in plan.stages)
+    assert any(stage.layout.offload.optimizer != "device" for stage in plan.stages)
     check_runnable(plan)
 
 
@@ -377,4 +377,4 @@ def test_every_layout_plan_auto_searches_is_run(num_devices, node_count):
     refs = tuple(DeviceRef(node="n0", index=i) for i in range(num_devices))
     for lay in layouts:
         check_offload_stage(0, StageSpec(devices=("n0",), device_refs=refs, device_type="small-card", layers=1,
-                                         **lay.stage_fields()))
+                                         layout=lay))

@@ -7,13 +7,14 @@ from dataclasses import replace
 import pytest
 
 from heteroflow.config import PRESETS
-from heteroflow.config.plan import OffloadSpec
+from heteroflow.layout import OffloadSpec
 from heteroflow.devices.catalog import CATALOG
 from heteroflow.stagemap.comm import all_gather_s, all_reduce_s
 from heteroflow.stagemap.compute import layer_forward, model_flops_per_sample
 from heteroflow.stagemap.costs import StageHardware, stage_costs, stage_costs_many
 from heteroflow.stagemap.hardware import Hardware, build_hardware, device_model
-from heteroflow.stagemap.layout import Layout, search_layouts
+from heteroflow.layout import ParallelLayout
+from heteroflow.stagemap.layout import search_layouts
 from heteroflow.stagemap.memory import GIB, activation_bytes, memory_model
 from heteroflow.stagemap.profile import DeviceProfile, LinkProfile, Profile
 
@@ -21,7 +22,7 @@ MODEL = PRESETS["llama2-7b"]
 A100 = device_model(CATALOG["nvidia-a100-80g"], "bf16")
 
 
-def _mem(layout: Layout, layers: int = 8, in_flight: int = 4, tokens: float = 4096.0) -> dict[str, float]:
+def _mem(layout: ParallelLayout, layers: int = 8, in_flight: int = 4, tokens: float = 4096.0) -> dict[str, float]:
     return memory_model(MODEL, layout, tokens=tokens, precision="bf16", capacity_gib=80).components(
         layers, in_flight, False, False)
 
@@ -42,12 +43,12 @@ def test_small_gemms_run_less_efficiently():
 
 
 def test_zero_stages_and_tp_divide_training_state():
-    base = _mem(Layout(dp=8))
-    z1, z2, z3 = (_mem(Layout(dp=8, zero=z)) for z in (1, 2, 3))
+    base = _mem(ParallelLayout(dp=8))
+    z1, z2, z3 = (_mem(ParallelLayout(dp=8, zero=z)) for z in (1, 2, 3))
     assert z1["optimizer"] == pytest.approx(base["optimizer"] / 8)
     assert z1["gradients"] == base["gradients"] and z2["gradients"] == pytest.approx(base["gradients"] / 8)
     assert z3["weights"] < base["weights"] / 2  # sharded, plus a two-layer gather buffer
-    tp4 = _mem(Layout(tp=4, dp=2))
+    tp4 = _mem(ParallelLayout(tp=4, dp=2))
     assert tp4["weights"] == pytest.approx(base["weights"] / 4, rel=0.01)
     assert base["optimizer"] == pytest.approx(6 * base["weights"])  # 12 bytes vs 2 per parameter
 
@@ -61,26 +62,26 @@ def test_recompute_and_sequence_parallelism_cut_activations():
     assert full == 4096 * MODEL.hidden_size * 2
     assert with_sp < none
     # more micro-batches in flight hold proportionally more activations
-    assert _mem(Layout(), in_flight=4)["activations"] == pytest.approx(2 * _mem(Layout(), in_flight=2)["activations"])
+    assert _mem(ParallelLayout(), in_flight=4)["activations"] == pytest.approx(2 * _mem(ParallelLayout(), in_flight=2)["activations"])
 
 
 def test_offload_moves_state_off_the_device():
-    base = _mem(Layout(dp=4, zero=3))
-    opt = _mem(Layout(dp=4, zero=3, offload=OffloadSpec(optimizer="cpu")))
-    params = _mem(Layout(dp=4, zero=3, offload=OffloadSpec(optimizer="ssd", params="ssd")))
-    acts = _mem(Layout(dp=4, zero=3, offload=OffloadSpec(activations="cpu")), in_flight=8)
+    base = _mem(ParallelLayout(dp=4, zero=3))
+    opt = _mem(ParallelLayout(dp=4, zero=3, offload=OffloadSpec(optimizer="cpu")))
+    params = _mem(ParallelLayout(dp=4, zero=3, offload=OffloadSpec(optimizer="ssd", params="ssd")))
+    acts = _mem(ParallelLayout(dp=4, zero=3, offload=OffloadSpec(activations="cpu")), in_flight=8)
     assert opt["optimizer"] == 0 and opt["weights"] == base["weights"]
     assert params["weights"] < base["weights"]
-    assert acts["activations"] < _mem(Layout(dp=4, zero=3), in_flight=8)["activations"]
+    assert acts["activations"] < _mem(ParallelLayout(dp=4, zero=3), in_flight=8)["activations"]
 
 
 def test_offload_and_recompute_cost_time():
     hw = StageHardware(device=A100, num_devices=8, num_nodes=1, node_count=8)
     hardware = Hardware(devices={}, inter_node_gb_per_s=25)
-    plain = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1), 8, hardware)
-    rc = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1, recompute="full"), 8, hardware)
-    cpu = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1, offload=OffloadSpec(optimizer="cpu")), 8, hardware)
-    ssd = stage_costs(MODEL, "bf16", hw, Layout(dp=8, zero=1, offload=OffloadSpec(optimizer="ssd")), 8, hardware)
+    plain = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1), 8, hardware)
+    rc = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1, recompute="full"), 8, hardware)
+    cpu = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1, offload=OffloadSpec(optimizer="cpu")), 8, hardware)
+    ssd = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1, offload=OffloadSpec(optimizer="ssd")), 8, hardware)
     assert rc.backward_s(8, False, False) > plain.backward_s(8, False, False)
     assert rc.forward_s(8, False, False) == plain.forward_s(8, False, False)
     assert plain.tail_s(8, False, False) < cpu.tail_s(8, False, False) < ssd.tail_s(8, False, False)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from heteroflow.config import load_job, parse_job
-from heteroflow.config.plan import OffloadSpec
+from heteroflow.layout import OffloadSpec
 from heteroflow.stagemap import SearchOptions, evaluate_plan, search_plan
 from heteroflow.stagemap.exhaustive import exhaustive_search
 

@@ -1,0 +1,19 @@
+"""The layout core: torch-free values and rules that the planner and the runtime share.
+
+- `parallel`: `ParallelLayout` (a stage's tp / cp / dp / sp / ZeRO / recompute / offload) and its validity rules;
+- `shards`: what one rank of a layout holds (heads, kv heads, parameters) and which copy of a value counts once;
+- `schedule`: the pipeline schedules as per-stage action lists.
+"""
+
+from heteroflow.layout.parallel import (ACTIVATION_TIERS, RECOMPUTE, STATE_TIERS, ZERO_STAGES, LayoutProblem,
+                                        ModelShape, OffloadSpec, ParallelLayout, tp_problems, tp_valid)
+from heteroflow.layout.schedule import SCHEDULES, Action, in_flight, max_in_flight, stage_actions
+from heteroflow.layout.shards import (counted_once, embedding_params_per_rank, head_params_per_rank, heads_per_rank,
+                                      kv_heads_per_rank, layer_params_per_rank, replicates_kv_heads)
+
+__all__ = [
+    "ACTIVATION_TIERS", "RECOMPUTE", "SCHEDULES", "STATE_TIERS", "ZERO_STAGES", "Action", "LayoutProblem",
+    "ModelShape", "OffloadSpec", "ParallelLayout", "counted_once", "embedding_params_per_rank",
+    "head_params_per_rank", "heads_per_rank", "in_flight", "kv_heads_per_rank", "layer_params_per_rank",
+    "max_in_flight", "replicates_kv_heads", "stage_actions", "tp_problems", "tp_valid",
+]

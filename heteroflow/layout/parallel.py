@@ -1,0 +1,170 @@
+"""`ParallelLayout`: one pipeline stage's intra-operator layout, and the rules that make it valid.
+
+The one definition of a stage's layout, shared by the plan (config), the planner (stagemap), the runtime
+(models, backends) and the Megatron importer. Ranks of a stage are ordered tp innermost, then cp, then dp,
+so the devices of one tp group are consecutive.
+
+Torch-free and independent of config: a model is anything with the shape attributes of `ModelShape`
+(`config.ModelSpec` has them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+RECOMPUTE = ("none", "selective", "full")
+STATE_TIERS = ("device", "cpu", "ssd")
+ACTIVATION_TIERS = ("device", "cpu")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class ModelShape(Protocol):
+    """The model attributes the layout rules and per-rank counts read (`config.ModelSpec` provides them)."""
+
+    num_attention_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    hidden_size: int
+    vocab_size: int
+    seq_length: int
+    qkv_bias: bool
+    qk_norm: bool
+    tie_embeddings: bool
+    activation: str
+    normalization: str
+    position_embedding: str
+
+    @property
+    def kv_channels(self) -> int: ...
+
+
+class LayoutProblem(NamedTuple):
+    """A broken rule: the layout `key` it is about (a plan stage's YAML key) and what to change."""
+
+    key: str
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadSpec:
+    """Where a stage keeps its training state."""
+
+    optimizer: str = "device"
+    """fp32 master weights and Adam moments: device, cpu or ssd."""
+    params: str = "device"
+    """Parameters between uses: device, cpu or ssd (fetched layer by layer)."""
+    activations: str = "device"
+    """Checkpointed activations: device or cpu."""
+
+    @property
+    def any(self) -> bool:
+        """Whether anything leaves the device."""
+        return (self.optimizer, self.params, self.activations) != ("device", "device", "device")
+
+    def to_dict(self) -> dict:
+        """Only the tiers that differ from `device`."""
+        return {k: getattr(self, k) for k in ("optimizer", "params", "activations") if getattr(self, k) != "device"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelLayout:
+    """tp x cp x dp over a stage's devices (tp innermost), plus sp, ZeRO, recompute and offload."""
+
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-style column / row splits inside one node)."""
+    dp: int = 1
+    """Data-parallel degree: each dp rank takes an equal share of every micro-batch."""
+    cp: int = 1
+    """Context-parallel degree."""
+    sp: bool = False
+    """Megatron-style sequence parallelism over the tp group."""
+    zero: int = 0
+    """ZeRO stage over this stage's dp group: 0, 1, 2 or 3."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention core) or full (whole block)."""
+    offload: OffloadSpec = field(default_factory=OffloadSpec)
+
+    @property
+    def num_devices(self) -> int:
+        """Devices (ranks) the layout spans."""
+        return self.tp * self.cp * self.dp
+
+    def validate(self, model: ModelShape, *, num_devices: int | None = None,
+                 micro_batch_size: int | None = None) -> list[LayoutProblem]:
+        """Every rule this layout breaks for `model` (empty when valid). With `num_devices`, the layout must
+        use exactly that many devices; with `micro_batch_size`, dp must split it evenly."""
+        problems: list[LayoutProblem] = []
+        for key in ("tp", "dp", "cp"):
+            if getattr(self, key) < 1:
+                problems.append(LayoutProblem(key, f"{key} must be at least 1, got {getattr(self, key)}"))
+        if problems:
+            return problems
+        if num_devices is not None and self.num_devices != num_devices:
+            problems.append(LayoutProblem("devices", f"{num_devices} devices, but tp * cp * dp = {self.tp} * {self.cp} * "
+                                          f"{self.dp} = {self.num_devices}; the layout must use exactly the stage's devices"))
+        problems += tp_problems(model, self.tp)
+        if self.sp and model.seq_length % (self.tp * self.cp):
+            problems.append(LayoutProblem("sp", f"seq_length {model.seq_length} is not divisible by tp * cp = "
+                                          f"{self.tp * self.cp}"))
+        if micro_batch_size is not None and micro_batch_size % self.dp:
+            problems.append(LayoutProblem("dp", f"dp {self.dp} does not divide micro_batch_size {micro_batch_size}; "
+                                          "each dp rank takes an equal share of every micro-batch"))
+        if self.zero not in ZERO_STAGES:
+            problems.append(LayoutProblem("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {self.zero}"))
+        if self.recompute not in RECOMPUTE:
+            problems.append(LayoutProblem("recompute", f"recompute must be one of {', '.join(RECOMPUTE)}, "
+                                          f"got {self.recompute!r}"))
+        for key, tiers in (("optimizer", STATE_TIERS), ("params", STATE_TIERS), ("activations", ACTIVATION_TIERS)):
+            if getattr(self.offload, key) not in tiers:
+                problems.append(LayoutProblem("offload", f"offload.{key} must be one of {', '.join(tiers)}, "
+                                              f"got {getattr(self.offload, key)!r}"))
+        return problems
+
+    def to_dict(self) -> dict:
+        """The layout keys of a plan stage, defaults left out (tp and dp always written)."""
+        out: dict = {"tp": self.tp, "dp": self.dp}
+        if self.cp != 1:
+            out["cp"] = self.cp
+        if self.sp:
+            out["sp"] = True
+        if self.zero:
+            out["zero"] = self.zero
+        if self.recompute != "none":
+            out["recompute"] = self.recompute
+        if self.offload.any:
+            out["offload"] = self.offload.to_dict()
+        return out
+
+    def describe(self) -> str:
+        """Short text: `tp4 dp2 sp zero1 rc=full off=opt:cpu`."""
+        parts = [f"tp{self.tp}", f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.sp:
+            parts.append("sp")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        if self.offload.any:
+            parts.append("off=" + ",".join(f"{k[:3]}:{v}" for k, v in self.offload.to_dict().items()))
+        return " ".join(parts)
+
+
+def tp_problems(model: ModelShape, tp: int) -> list[LayoutProblem]:
+    """tp must split the query heads and the MLP evenly, and split the kv heads or replicate them (tp and the kv
+    heads divide one another)."""
+    problems = []
+    if model.num_attention_heads % tp:
+        problems.append(LayoutProblem("tp", f"tp {tp} does not divide num_attention_heads {model.num_attention_heads}"))
+    elif model.num_kv_heads % tp and tp % model.num_kv_heads:
+        problems.append(LayoutProblem("tp", f"tp {tp} and num_kv_heads {model.num_kv_heads} must divide one another"))
+    if model.ffn_hidden_size % tp:
+        problems.append(LayoutProblem("tp", f"tp {tp} does not divide ffn_hidden_size {model.ffn_hidden_size}"))
+    return problems
+
+
+def tp_valid(model: ModelShape, tp: int) -> bool:
+    """Whether tensor parallelism of degree `tp` can split `model` (see `tp_problems`)."""
+    return tp >= 1 and not tp_problems(model, tp)

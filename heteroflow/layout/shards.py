@@ -1,0 +1,68 @@
+"""What one rank of a layout holds: heads, kv heads and parameters per tp rank, and which copy of a value
+counts once.
+
+Used by the planner's memory and compute model and by the runtime (the offload swap sizing, the gradient
+norm, the optimizer and checkpoints), so both count the same things.
+"""
+
+from __future__ import annotations
+
+from heteroflow.layout.parallel import ModelShape
+
+
+def heads_per_rank(model: ModelShape, tp: int) -> int:
+    """Query heads one tp rank computes."""
+    return model.num_attention_heads // tp
+
+
+def replicates_kv_heads(model: ModelShape, tp: int) -> bool:
+    """Whether every tp rank keeps the whole k/v projections (tp exceeds the kv heads: each rank then computes
+    the one kv head its query heads use, and the k/v gradients are partial sums over tp)."""
+    return tp > model.num_kv_heads
+
+
+def kv_heads_per_rank(model: ModelShape, tp: int) -> int:
+    """KV heads one tp rank computes with (one when tp exceeds the kv heads)."""
+    return 1 if replicates_kv_heads(model, tp) else model.num_kv_heads // tp
+
+
+def mlp_matrices(model: ModelShape) -> int:
+    """Weight matrices of the MLP: 3 for SwiGLU, 2 for GELU."""
+    return 3 if model.activation == "swiglu" else 2
+
+
+def layer_params_per_rank(model: ModelShape, tp: int) -> float:
+    """Parameters of one transformer block that one tp rank computes with (kv counted at its local heads)."""
+    h, d = model.hidden_size, model.kv_channels
+    q_loc, kv_loc = heads_per_rank(model, tp), kv_heads_per_rank(model, tp)
+    attn = 2 * h * q_loc * d + 2 * h * kv_loc * d
+    if model.qkv_bias:
+        attn += (q_loc + 2 * kv_loc) * d
+    mlp = mlp_matrices(model) * h * model.ffn_hidden_size / tp
+    norms = 2 * h * (2 if model.normalization == "layernorm" else 1) + (2 * d if model.qk_norm else 0)
+    return attn + mlp + norms
+
+
+def embedding_params_per_rank(model: ModelShape, tp: int) -> float:
+    """Parameters of the first stage beyond its blocks: the (vocab-parallel) embedding, learned positions."""
+    positions = model.seq_length * model.hidden_size if model.position_embedding == "learned" else 0
+    return model.vocab_size * model.hidden_size / tp + positions
+
+
+def head_params_per_rank(model: ModelShape, tp: int, *, single_stage: bool) -> float:
+    """Parameters of the last stage beyond its blocks: final norm and LM head (a copy when tied across stages)."""
+    head = 0 if (model.tie_embeddings and single_stage) else model.vocab_size * model.hidden_size / tp
+    return head + model.hidden_size
+
+
+def counted_once(*, split_over_tp: bool, tp_rank: int, dp_rank: int = 0, split_over_dp: bool = False,
+                 tied_head_copy: bool = False) -> bool:
+    """Whether this rank's copy of a value is the one that counts (in the global gradient norm, in a
+    checkpoint), so that every value of the model counts exactly once over the world.
+
+    A value split over tp counts on every tp rank (each holds a different part), a tp-replicated one on tp
+    rank 0; likewise over dp (ZeRO-sharded state is split, plain replicas count on dp rank 0). The LM head's
+    copy of an embedding tied across stages never counts: it equals the first stage's embedding.
+    """
+    return (not tied_head_copy and (split_over_tp or tp_rank == 0)
+            and (split_over_dp or dp_rank == 0))
