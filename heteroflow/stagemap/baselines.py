@@ -20,7 +20,7 @@ from heteroflow.stagemap.options import coefficients
 from heteroflow.stagemap.estimate import boundary_times
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.layout import ParallelLayout, tp_valid
-from heteroflow.stagemap.layout import offload_allowed
+from heteroflow.stagemap.layout import offload_allowed, searched
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time
 from heteroflow.stagemap.space import SearchOptions, micro_batch_sizes
@@ -106,7 +106,8 @@ def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardwar
                    m: int, per_stage: int, options: SearchOptions) -> float:
     """step >= m * (F + B) of the slowest stage, each at its fastest layout (ZeRO 0/1, no recompute or offload)."""
     # ZeRO 0 is never slower per layer than ZeRO 1-3, so it bounds whichever stages are allowed.
-    fast = [ParallelLayout(tp=tp, dp=dp, sp=sp) for sp in (False, True) if not sp or (tp > 1 and job.model.seq_length % tp == 0)]
+    fast = [lay for lay in (ParallelLayout(tp=tp, dp=dp, sp=sp) for sp in (False, True))
+            if searched(lay, job.model, micro_batch_size=mbs)]
     worst = 0.0
     for shape in set(shapes):
         rate = min(c.fwd_layer_s + c.bwd_layer_s for c in stage_costs_many(job.model, job.train.precision, shape,
@@ -120,9 +121,8 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
                   options: SearchOptions) -> tuple[float, PlanSpec] | None:
     """Best uniform layout for fixed stages, tp and dp."""
     layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off)
-               for sp in options.sp if not sp or (tp > 1 and job.model.seq_length % tp == 0)
-               for z in options.zero if not z or dp > 1
-               for rc in options.recompute for off in options.offload]
+               for sp in options.sp for z in options.zero for rc in options.recompute for off in options.offload]
+    layouts = [lay for lay in layouts if searched(lay, job.model, micro_batch_size=mbs)]
     layouts = [lay for lay in layouts if offload_allowed(lay, offload_zero=options.offload_zero,
                                                          offload_params_max_tp=options.offload_params_max_tp)]
     if not layouts:

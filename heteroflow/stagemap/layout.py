@@ -48,19 +48,24 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
     out = []
     for tp in tp_choices(model, num_devices, node_count):
         dp = num_devices // tp
-        if micro_batch_size % dp:
-            continue
         for use_sp in sp:
-            if use_sp and (tp == 1 or model.seq_length % tp):
-                continue
             for z in zero:
-                if z and dp == 1:
-                    continue
                 for rc in recompute:
                     for off in offload:
-                        if off.params != "device" and dp > 1 and z != 3:
-                            continue
                         lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off)
-                        if offload_allowed(lay, offload_zero=offload_zero, offload_params_max_tp=offload_params_max_tp):
+                        if (searched(lay, model, micro_batch_size=micro_batch_size)
+                                and offload_allowed(lay, offload_zero=offload_zero,
+                                                    offload_params_max_tp=offload_params_max_tp)):
                             out.append(lay)
     return out
+
+
+def searched(lay: ParallelLayout, model: ModelSpec, *, micro_batch_size: int) -> bool:
+    """Whether the planner considers `lay`: a valid layout (`ParallelLayout.validate`) that is not a no-op
+    variant of another (sp needs tp > 1, ZeRO needs dp > 1) and offloads parameters with dp > 1 only under
+    ZeRO-3, as in ZeRO-Infinity."""
+    if (lay.sp and lay.tp == 1) or (lay.zero and lay.dp == 1):
+        return False
+    if lay.offload.params != "device" and lay.dp > 1 and lay.zero != 3:
+        return False
+    return not lay.validate(model, micro_batch_size=micro_batch_size)
