@@ -23,7 +23,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     """List local devices, or the chip catalog."""
     from heteroflow.devices import report
     if args.catalog:
-        from heteroflow.devices.catalog import CATALOG
+        from heteroflow.config.catalog import CATALOG
         if args.json:
             _print_json(report.catalog_json(CATALOG))
         else:

@@ -215,7 +215,7 @@ def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: flo
 def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, cores: int) -> DeviceModel:
     """One of `num_ranks` local CPU processes on a `cores`-core host, as if it ran alone with its threads
     (sharing the cores with the other ranks is left to the pipeline simulation)."""
-    from heteroflow.devices.catalog import CATALOG
+    from heteroflow.config.catalog import CATALOG
     base = device_model(CATALOG["cpu"], precision)
     assert base is not None
     ranks, cores = max(1, num_ranks), max(1, cores)

@@ -68,7 +68,7 @@ def _cpu_name() -> str:
 
 def _device_type(given: str | None, name: str, cuda: bool) -> tuple[str, str]:
     """(device type the profile describes, vendor)."""
-    from heteroflow.devices.catalog import CATALOG
+    from heteroflow.config.catalog import CATALOG
     if given is not None:
         spec = CATALOG.get(given)
         return given, spec.vendor if spec else ("cpu" if not cuda else "nvidia")

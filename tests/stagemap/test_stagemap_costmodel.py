@@ -8,7 +8,7 @@ import pytest
 
 from heteroflow.config import PRESETS
 from heteroflow.config.plan import OffloadSpec
-from heteroflow.devices.catalog import CATALOG
+from heteroflow.config.catalog import CATALOG
 from heteroflow.stagemap.comm import all_gather_s, all_reduce_s
 from heteroflow.stagemap.compute import layer_forward, model_flops_per_sample
 from heteroflow.stagemap.costs import StageHardware, stage_costs, stage_costs_many
