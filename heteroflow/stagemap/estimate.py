@@ -11,7 +11,8 @@ from heteroflow.errors import UserError
 from heteroflow.stagemap.comm import boundary_s
 from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
-from heteroflow.stagemap.hardware import Hardware, build_hardware
+from heteroflow.stagemap.emulation import build_hardware
+from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.layout import Layout
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time, shared_makespan, simulate_shared
