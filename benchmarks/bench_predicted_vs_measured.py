@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must exceed --warmup, and --rounds be at least 1")
 
     from heteroflow.stagemap import evaluate_plan, load_profile, save_profile
-    from heteroflow.stagemap.measure import measure_profile
+    from heteroflow.measure import measure_profile
 
     lines: list[str] = []
 

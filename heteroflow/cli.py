@@ -131,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure this machine's devices, links and disk for the cost model."""
-    from heteroflow.stagemap.commands import profile_command
+    from heteroflow.measure.command import profile_command
     return profile_command(output=args.output, quick=args.quick, device_type=args.device_type,
                            disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
 
