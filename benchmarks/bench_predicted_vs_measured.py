@@ -145,7 +145,7 @@ def measure_plan(job, steps: int, warmup: int, work_dir: Path, name: str) -> lis
 def reference_slowdown(profile) -> float:
     """How much slower the profiled real block ran than the one-thread curves predict (see `in_block_slowdown`)."""
     from dataclasses import replace
-    from heteroflow.stagemap.hardware import emulated_device, in_block_slowdown
+    from heteroflow.stagemap.emulation import emulated_device, in_block_slowdown
     one = emulated_device("fp32", profile=replace(profile, cpu_thread=replace(profile.cpu_thread, reference_block_s={})),
                           num_ranks=profile.host.cpu_cores, cores=profile.host.cpu_cores)
     return in_block_slowdown(one, profile.cpu_thread, "fp32")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must exceed --warmup, and --rounds be at least 1")
 
     from heteroflow.stagemap import evaluate_plan, load_profile, save_profile
-    from heteroflow.stagemap.measure import measure_profile
+    from heteroflow.measure import measure_profile
 
     lines: list[str] = []
 

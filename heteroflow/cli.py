@@ -23,7 +23,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     """List local devices, or the chip catalog."""
     from heteroflow.devices import report
     if args.catalog:
-        from heteroflow.devices.catalog import CATALOG
+        from heteroflow.config.catalog import CATALOG
         if args.json:
             _print_json(report.catalog_json(CATALOG))
         else:
@@ -131,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure this machine's devices, links and disk for the cost model."""
-    from heteroflow.stagemap.commands import profile_command
+    from heteroflow.measure.command import profile_command
     return profile_command(output=args.output, quick=args.quick, device_type=args.device_type,
                            disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
 

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from heteroflow.config.catalog import ALIASES, CATALOG
 from heteroflow.config.device import VENDORS, DeviceSpec
 from heteroflow.config.reader import REQUIRED, Problems, Section, type_name
 from heteroflow.errors import did_you_mean
@@ -98,7 +99,6 @@ class ClusterSpec:
 
     def to_dict(self) -> dict:
         """Plain data in the job YAML's schema (custom types written out in full)."""
-        from heteroflow.devices.catalog import CATALOG
         custom = {k: {f: v for f, v in d.to_dict().items() if f != "name"}
                   for k, d in self.device_types.items() if CATALOG.get(k) != d}
         for k, env in self.device_type_env.items():
@@ -171,8 +171,6 @@ def parse_env(sec: Section, key: str = "env") -> dict[str, str] | None:
 
 def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> ClusterSpec | None:
     """Build a `ClusterSpec` from the job's `cluster:` section, resolving device types."""
-    from heteroflow.devices.catalog import ALIASES, CATALOG
-
     sec = Section(data, path, problems)
     inter = sec.number("inter_node_gb_per_s", 25.0, positive=True)
     profile = sec.string("profile", None)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from heteroflow.config.catalog import CATALOG
 from heteroflow.config.device import VENDORS
 from heteroflow.errors import UserError, did_you_mean
 
@@ -113,7 +114,6 @@ class Device:
             return runtime.get_device_properties(self.index).major >= 8  # Ampere and later
         # ROCm and Ascend report no capability flag we trust (torch says True for every ROCm
         # device); the catalog knows which chips lack bf16 units (Z100, K100, 910A).
-        from heteroflow.devices.catalog import CATALOG
         from heteroflow.devices.probe import match_catalog_name
 
         matched = match_catalog_name(self.vendor_label, str(runtime.get_device_name(self.index)))

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from types import ModuleType
 
-from heteroflow.devices.catalog import CATALOG
+from heteroflow.config.catalog import CATALOG
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from heteroflow.config import ClusterSpec, JobConfig, parse_cluster, parse_job, read_yaml
+from heteroflow.config.catalog import lookup
 from heteroflow.config.reader import Problems
 from heteroflow.errors import ConfigError, UserError
 from heteroflow.layout import ParallelLayout
@@ -268,7 +269,6 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
     cluster = _load_cluster(options.cluster) if options.cluster is not None else None
     device_type = None
     if options.device_type is not None and cluster is None:
-        from heteroflow.devices.catalog import lookup
         device_type = lookup(options.device_type).name
     notes = list(source.notes)
     if options.device_type is not None and cluster is not None:

@@ -1,4 +1,4 @@
-"""The work behind `heteroflow plan` and `heteroflow profile` (the CLI only parses arguments)."""
+"""The work behind `heteroflow plan` (the CLI only parses arguments)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import replace
 from heteroflow.errors import UserError
 
 
-def _print_json(data: object) -> None:
+def print_json(data: object) -> None:
+    """Write `data` to stdout as indented JSON (floats as numbers)."""
     json.dump(data, sys.stdout, indent=2, default=float)
     sys.stdout.write("\n")
 
@@ -38,7 +39,7 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
             plan, source = load_plan_file(evaluate, job), evaluate
         estimate = evaluate_plan(job, plan, profile=profile, emulate=emulate)
         if as_json:
-            _print_json(estimate.to_json())
+            print_json(estimate.to_json())
         else:
             print(format_estimate(estimate, f"estimate of {source}"))
         _write_outputs(estimate, output, gantt)
@@ -50,7 +51,7 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
         options = replace(options, max_micro_batch_size=max_micro_batch_size)
     report = search_plan(job, profile=profile, options=options)
     if as_json:
-        _print_json(report.to_json())
+        print_json(report.to_json())
     else:
         print(format_report(report))
     if report.estimate is None:
@@ -68,27 +69,3 @@ def _write_outputs(estimate, output: str | None, gantt: str | None) -> None:
         from heteroflow.stagemap.gantt import draw_gantt
         draw_gantt(estimate, gantt)
         print(f"wrote {gantt}", file=sys.stderr)
-
-
-def profile_command(*, output: str | None = None, quick: bool = False, device_type: str | None = None,
-                    disk_dir: str | None = None, as_json: bool = False, link: bool = True) -> int:
-    """Measure this machine and write (or print) the profile."""
-    from heteroflow.stagemap.measure import measure_profile
-    from heteroflow.stagemap.profile import save_profile
-    profile = measure_profile(quick=quick, device_type=device_type, disk_dir=disk_dir, link=link)
-    if output:
-        save_profile(profile, output)
-        print(f"wrote {output}", file=sys.stderr)
-    if as_json:
-        _print_json({"profile": profile.to_dict()})
-    elif not output:
-        import yaml
-        print(yaml.safe_dump({"profile": profile.to_dict()}, sort_keys=False, default_flow_style=None), end="")
-    else:
-        dev = profile.devices[0]
-        best = max((r for curve in dev.gemm_tflops.values() for _, r in curve), default=0.0)
-        print(f"{dev.device_type}: up to {best:.3g} TFLOP/s GEMM, memory {dev.memory_gb_per_s:.3g} GB/s"
-              + (f", link ({profile.link.backend}) {profile.link.gb_per_s:.3g} GB/s" if profile.link else "")
-              + (f", disk read {profile.disk.read_gb_per_s:.3g} / write {profile.disk.write_gb_per_s:.3g} GB/s"
-                 if profile.disk else ""))
-    return 0

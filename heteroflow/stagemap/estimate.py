@@ -12,8 +12,9 @@ from heteroflow.errors import UserError
 from heteroflow.stagemap.comm import boundary_s
 from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
-from heteroflow.stagemap.hardware import Hardware, build_hardware
 from heteroflow.layout import ParallelLayout
+from heteroflow.stagemap.emulation import build_hardware
+from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time, shared_makespan, simulate_shared
 from heteroflow.stagemap.profile import Profile, load_profile

@@ -18,14 +18,7 @@ inside a node, INTER_LATENCY_S between nodes, HOST_STAGE_LATENCY_S per host-stag
 A profile whose link section measured all-reduces prices collectives inside a node with those figures
 (`collective_link`); point-to-point transfers keep the link's own.
 
-Emulation (`emulate=True`): every device is priced as one local CPU process with the threads the launcher
-gives it (`threads_per_process`: the host's cores split between the ranks, at least one each), as if it ran
-alone. With the profile's `cpu_thread`: one thread's GEMM and attention rates and elementwise rate, times
-the rank's threads, divided by `in_block_slowdown` (how much slower the measured real block ran than those
-rates predict), plus the measured per-block overhead. Without it: the measured or catalog whole-machine
-rates, split evenly between the cores. The ranks then share the cores: the pipeline is timed by
-`pipeline.simulate_shared` (processor sharing), not by the closed form. With a profile each rank gets
-1/num_ranks of the host memory; every link is the measured local link.
+Emulation (`emulate=True`, every device one local CPU process) is priced in `emulation`.
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from heteroflow.config.device import DeviceSpec
-from heteroflow.stagemap.profile import REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile, curve_rate
+from heteroflow.stagemap.profile import DeviceProfile, Profile, curve_rate
 
 EFF_MAX = {"nvidia": 0.80, "amd": 0.70, "hygon": 0.60, "ascend": 0.70, "cpu": 1.0}
 EFF_HALF_DIM = {"nvidia": 128.0, "amd": 160.0, "hygon": 192.0, "ascend": 160.0, "cpu": 48.0}
@@ -162,11 +155,11 @@ def device_model(spec: DeviceSpec, precision: str, profile: Profile | None = Non
                         launch_overhead_s=LAUNCH_OVERHEAD_S[spec.vendor],
                         eff_half_dim=EFF_HALF_DIM[spec.vendor], precision=precision)
     if measured is not None:
-        model = _apply_measurements(model, measured, profile)
+        model = apply_measurements(model, measured, profile)
     return model
 
 
-def _apply_measurements(model: DeviceModel, measured: DeviceProfile, profile: Profile) -> DeviceModel:
+def apply_measurements(model: DeviceModel, measured: DeviceProfile, profile: Profile) -> DeviceModel:
     """Replace catalog figures by whatever the profile measured."""
     changes: dict = {"measured": measured}
     if measured.memory_gb_per_s:
@@ -193,76 +186,3 @@ def threads_per_process(cores: int, processes: int) -> int:
     """Threads each of `processes` local workers gets: the cores split evenly, at least one. The same rule as
     the launcher's `runtime.launch.threads_per_process` (kept apart: planning must not need the runtime)."""
     return max(1, cores // max(1, processes))
-
-
-def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, precision: str, *,
-                   profile: Profile | None = None, emulate: bool = False, num_ranks: int = 1,
-                   cores: int = 1) -> Hardware:
-    """Device models for every device type of a cluster (types that cannot run `precision` left out).
-    Emulated: `num_ranks` local processes on a host with `cores` cores."""
-    if not emulate:
-        models = {name: m for name, spec in device_types.items()
-                  if (m := device_model(spec, precision, profile)) is not None}
-        return Hardware(devices=models, inter_node_gb_per_s=inter_node_gb_per_s)
-    threads = threads_per_process(cores, num_ranks)
-    local = emulated_device(precision, profile=profile, num_ranks=num_ranks, cores=cores)
-    models = {name: replace(local, name=name, vendor=spec.vendor) for name, spec in device_types.items()}
-    return Hardware(devices=models, inter_node_gb_per_s=local.intra_node_gb_per_s,
-                    inter_latency_s=local.intra_latency_s, emulate=True, cores=max(1, cores),
-                    threads_per_rank=threads)
-
-
-def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, cores: int) -> DeviceModel:
-    """One of `num_ranks` local CPU processes on a `cores`-core host, as if it ran alone with its threads
-    (sharing the cores with the other ranks is left to the pipeline simulation)."""
-    from heteroflow.devices.catalog import CATALOG
-    base = device_model(CATALOG["cpu"], precision)
-    assert base is not None
-    ranks, cores = max(1, num_ranks), max(1, cores)
-    threads = threads_per_process(cores, ranks)
-    memory_gib = base.memory_gib
-    base = replace(base, host_memory_gb_per_s=base.hbm_gb_per_s)  # CPU Adam runs on the same cores
-    if profile is not None and profile.devices:
-        measured = profile.device("cpu") or profile.devices[0]
-        base = _apply_measurements(replace(base, measured=measured), measured, profile)
-    if profile is not None and profile.host.memory_gib:
-        memory_gib = profile.host.memory_gib / ranks  # the ranks share the host's memory
-    thread = profile.cpu_thread if profile is not None else None
-    if thread is not None and thread.gemm_tflops.get(precision) and thread.elementwise_gb_per_s > 0:
-        gemm = thread.gemm_tflops[precision]
-        overhead = ((thread.block_forward_overhead_s, thread.block_backward_overhead_s)
-                    if thread.block_forward_overhead_s > 0 and thread.block_backward_overhead_s > 0 else None)
-        one = replace(base, memory_gib=memory_gib, share=1.0,
-                      measured=DeviceProfile(device_type="cpu", vendor="cpu", gemm_tflops={precision: gemm}),
-                      peak_tflops=max(r for _, r in gemm), hbm_gb_per_s=thread.elementwise_gb_per_s,
-                      attention_tflops=thread.attention_tflops.get(precision, ()), block_overhead_s=overhead)
-        # The rank's threads times one thread's rates (kernels assumed to scale), at the in-block level.
-        speed = threads / in_block_slowdown(one, thread, precision)
-        bandwidth = thread.elementwise_gb_per_s * speed
-        return replace(one, share=speed, hbm_gb_per_s=bandwidth, host_link_gb_per_s=bandwidth,
-                       host_memory_gb_per_s=bandwidth)
-    # Whole-machine rates (measured, or the catalog's): each thread gets 1/cores of them.
-    fraction = threads / cores
-    return replace(base, memory_gib=memory_gib, share=fraction,
-                   hbm_gb_per_s=base.hbm_gb_per_s * fraction, host_link_gb_per_s=base.hbm_gb_per_s * fraction,
-                   host_memory_gb_per_s=base.host_memory_gb_per_s * fraction)
-
-
-def in_block_slowdown(one_thread: DeviceModel, thread: ThreadProfile, precision: str) -> float:
-    """How much slower the kernels of heteroflow's real block ran than `one_thread`'s rates (from the curves)
-    predict, at the profile's reference shape: measured block time less the fixed per-block overhead, over
-    the predicted GEMM, attention and elementwise time. Kernels timed alone reuse warm buffers; inside a
-    training step they also touch fresh activations and miss caches. 1.0 when the profile has no reference."""
-    from heteroflow.config.model import ModelSpec
-    from heteroflow.stagemap.compute import layer_forward
-    measured = thread.reference_block_s.get(precision)
-    shape = dict(thread.reference_block_shape)
-    if not measured or len(shape) != len(REFERENCE_SHAPE_KEYS):
-        return 1.0
-    batch = shape.pop("micro_batch_size")
-    spec = ModelSpec(num_layers=1, vocab_size=16, **shape)
-    lc = layer_forward(spec, one_thread, tokens=batch * spec.seq_length, tp=1, sp=False,
-                       dtype_bytes=4 if precision == "fp32" else 2)
-    predicted = 3 * lc.gemm_s + lc.attention_s + lc.attention_backward_s + 3 * lc.elementwise_s
-    kernels = sum(measured) - lc.overhead_s - lc.overhead_backward_s
-    return kernels / predicted if kernels > 0 and predicted > 0 else 1.0

@@ -50,7 +50,7 @@ def test_env_round_trips_through_to_dict_and_leaves_catalog_types_alone():
     assert again.to_dict() == cluster.to_dict()
     assert again.node_env("npu-0") == cluster.node_env("npu-0")
     # an env-only entry is the catalog chip itself, not an override
-    from heteroflow.devices.catalog import CATALOG
+    from heteroflow.config.catalog import CATALOG
     assert cluster.device_types["ascend-910b2"] == CATALOG["ascend-910b2"]
     assert cluster.to_dict()["device_types"] == {"ascend-910b2": {"env": {"HCCL_CONNECT_TIMEOUT": "1200",
                                                                           "SHARED": "npu"}}}

@@ -1,4 +1,4 @@
-"""End-to-end: `heteroflow plan` and `heteroflow profile` as a user runs them."""
+"""End-to-end: `heteroflow plan` as a user runs it."""
 
 from __future__ import annotations
 
@@ -112,32 +112,6 @@ def test_emulated_estimate_prices_this_machine():
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["emulate"] is True and data["step_time_s"] > 0.01  # CPU processes: orders slower than GPUs
-
-
-def test_quick_profile_writes_a_profile_a_job_can_use(tmp_path):
-    profile = tmp_path / "profile.yaml"
-    result = heteroflow("profile", "--quick", "-o", str(profile), "--disk-dir", str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    from heteroflow.stagemap import load_profile
-    loaded = load_profile(profile)
-    cpu = loaded.device("cpu")
-    assert cpu is not None and cpu.gemm_tflops["fp32"][0][1] > 0 and cpu.memory_gb_per_s > 0
-    assert loaded.link is not None and loaded.link.backend == "gloo" and loaded.link.gb_per_s > 0
-    assert loaded.disk is not None and loaded.disk.read_gb_per_s > 0
-    assert loaded.link.allreduce_gb_per_s > 0 and loaded.link.allreduce_latency_s > 0
-    thread = loaded.cpu_thread  # what one thread does: prices the ranks of `train --emulate`
-    assert thread is not None and thread.elementwise_gb_per_s > 0 and thread.block_backward_overhead_s > 0
-    assert all(r > 0 for _, f, b in thread.attention_tflops["fp32"] for r in (f, b))
-    assert all(f > 0 and b > 0 for f, b in thread.reference_block_s.values())
-    # a job naming the profile is priced with it
-    job = tmp_path / "job.yaml"
-    job.write_text(EMULATED.read_text().replace("cluster: ../clusters/cpu-emulation.yaml",
-                                                f"cluster:\n  profile: {profile.name}\n  nodes:\n"
-                                                "    - {name: gpu-0, device: cpu, count: 2}\n"
-                                                "    - {name: npu-0, device: cpu, count: 2}\n"
-                                                "    - {name: dcu-0, device: cpu, count: 4}"))
-    result = heteroflow("plan", str(job), "--evaluate", "--json")
-    assert result.returncode == 0, result.stderr
 
 
 def test_plan_proposes_what_train_runs_and_all_layouts_may_do_better(tmp_path):

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 
 from heteroflow.config import PRESETS
-from heteroflow.layout import OffloadSpec
-from heteroflow.devices.catalog import CATALOG
+from heteroflow.config.catalog import CATALOG
+from heteroflow.layout import OffloadSpec, ParallelLayout
 from heteroflow.stagemap.comm import all_gather_s, all_reduce_s
 from heteroflow.stagemap.compute import layer_forward, model_flops_per_sample
 from heteroflow.stagemap.costs import StageHardware, stage_costs, stage_costs_many
-from heteroflow.stagemap.hardware import Hardware, build_hardware, device_model
-from heteroflow.layout import ParallelLayout
+from heteroflow.stagemap.emulation import build_hardware
+from heteroflow.stagemap.hardware import Hardware, device_model
 from heteroflow.stagemap.layout import search_layouts
 from heteroflow.stagemap.memory import GIB, activation_bytes, memory_model
 from heteroflow.stagemap.profile import DeviceProfile, LinkProfile, Profile

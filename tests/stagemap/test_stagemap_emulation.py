@@ -15,8 +15,9 @@ from heteroflow.stagemap import evaluate_plan, load_profile, save_profile
 from heteroflow.stagemap.compute import elementwise_elements, layer_forward
 from heteroflow.stagemap.costs import (DEVICE_ADAM_BYTES_PER_PARAM, FLAT_BUFFER_BYTES_PER_PARAM, StageHardware,
                                        stage_costs)
-from heteroflow.stagemap.hardware import Hardware, emulated_device, in_block_slowdown, threads_per_process
 from heteroflow.layout import ParallelLayout
+from heteroflow.stagemap.emulation import emulated_device, in_block_slowdown
+from heteroflow.stagemap.hardware import Hardware, threads_per_process
 from heteroflow.stagemap.profile import (DeviceProfile, HostProfile, LinkProfile, Profile, ThreadProfile,
                                          curve_rate)
 

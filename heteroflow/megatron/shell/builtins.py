@@ -3,15 +3,21 @@ exceptions that carry `exit`, `return`, `break` and `continue` out of nested nod
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from heteroflow.megatron.shell.conditions import Truth, evaluate_test
 from heteroflow.megatron.shell.errors import ShellSyntaxError
-from heteroflow.megatron.shell.expand import Field
+from heteroflow.megatron.shell.expand import Env, Field
 from heteroflow.megatron.shell.nodes import Simple
 
-if TYPE_CHECKING:
-    from heteroflow.megatron.shell.interp import Interpreter
+
+class Shell(Protocol):
+    """What a builtin may use of the interpreter running it (`interp.Interpreter` is the one)."""
+
+    env: Env
+
+    def run_text(self, text: str, line: int, what: str) -> Truth:
+        """Interpret a string as script text (`eval`, `bash -c`)."""
 
 
 class Exit(Exception):
@@ -33,25 +39,25 @@ class LoopControl(Exception):
         self.levels = levels
 
 
-def _b_true(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_true(interp: Shell, args: list[Field], node: Simple) -> Truth:
     return True
 
 
-def _b_false(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_false(interp: Shell, args: list[Field], node: Simple) -> Truth:
     return False
 
 
-def _b_test(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_test(interp: Shell, args: list[Field], node: Simple) -> Truth:
     return evaluate_test(args, interp.env)
 
 
-def _b_bracket(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_bracket(interp: Shell, args: list[Field], node: Simple) -> Truth:
     if not args or args[-1].text != "]":
         raise ShellSyntaxError(f"line {node.line}: `[` without its closing `]`")
     return evaluate_test(args[:-1], interp.env)
 
 
-def _b_set(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_set(interp: Shell, args: list[Field], node: Simple) -> Truth:
     texts = [a.text for a in args]
     if "--" in texts:
         interp.env.positionals = list(args[texts.index("--") + 1:])
@@ -60,24 +66,24 @@ def _b_set(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
     return True
 
 
-def _b_shift(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_shift(interp: Shell, args: list[Field], node: Simple) -> Truth:
     n = int(args[0].text) if args and args[0].known and args[0].text.isdigit() else 1
     interp.env.positionals = interp.env.positionals[n:]
     return True
 
 
-def _b_unset(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_unset(interp: Shell, args: list[Field], node: Simple) -> Truth:
     for arg in args:
         if not arg.text.startswith("-"):
             interp.env.vars.pop(arg.text, None)
     return True
 
 
-def _b_eval(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_eval(interp: Shell, args: list[Field], node: Simple) -> Truth:
     return interp.run_text(" ".join(a.raw for a in args), node.line, "eval")
 
 
-def _b_shell(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_shell(interp: Shell, args: list[Field], node: Simple) -> Truth:
     texts = [a.text for a in args]
     if "-c" in texts and texts.index("-c") + 1 < len(args):
         k = texts.index("-c")
@@ -93,30 +99,30 @@ def _b_shell(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
     return True
 
 
-def _b_source(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_source(interp: Shell, args: list[Field], node: Simple) -> Truth:
     target = args[0].text if args else ""
     interp.env.note(f"`source {target}` is not followed; variables it sets are unknown here "
                     "(pass them with --env NAME=VALUE)")
     return True
 
 
-def _b_exit(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_exit(interp: Shell, args: list[Field], node: Simple) -> Truth:
     raise Exit(node.line)
 
 
-def _b_return(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_return(interp: Shell, args: list[Field], node: Simple) -> Truth:
     raise Return()
 
 
-def _b_break(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_break(interp: Shell, args: list[Field], node: Simple) -> Truth:
     raise LoopControl("break", int(args[0].text) if args and args[0].text.isdigit() else 1)
 
 
-def _b_continue(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_continue(interp: Shell, args: list[Field], node: Simple) -> Truth:
     raise LoopControl("continue", int(args[0].text) if args and args[0].text.isdigit() else 1)
 
 
-def _b_read(interp: Interpreter, args: list[Field], node: Simple) -> Truth:
+def _b_read(interp: Shell, args: list[Field], node: Simple) -> Truth:
     for arg in args:
         if not arg.text.startswith("-"):
             interp.env.set_scalar(arg.text, Field.unknown(f"$(read {arg.text})"))

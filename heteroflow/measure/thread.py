@@ -9,7 +9,7 @@ every OpenMP barrier). Measured:
   identities (large input minus tiny input, so the fixed cost cancels), over the bytes the cost model counts;
 - the block's fixed cost (forward and backward on 4 tokens of width 16);
 - the real block at one mid-size shape (`REFERENCE_BLOCK`): kernels run slower inside a block than alone,
-  and the cost model scales the curves to match it (`hardware.in_block_slowdown`).
+  and the cost model scales the curves to match it (`stagemap.emulation.in_block_slowdown`).
 Each figure is the median of five rounds that each measure everything once (one with --quick).
 """
 
@@ -18,7 +18,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from heteroflow.stagemap.measure import PROFILE_DTYPES, square_gemm_tflops, time_calls
+from heteroflow.config.model import ModelSpec
+from heteroflow.measure.timing import PROFILE_DTYPES, square_gemm_tflops, time_calls
+from heteroflow.stagemap.compute import elementwise_elements
 from heteroflow.stagemap.profile import ATTENTION_PROBE_SEQ, ThreadProfile
 
 
@@ -126,7 +128,6 @@ def _block_seconds(torch, blocks, shape: tuple[int, ...], budget_s: float, autoc
 def _block_overhead_s(torch, budget_s: float) -> tuple[float, float]:
     """Forward and backward seconds of heteroflow's decoder block (GQA, SwiGLU, RoPE) on 4 tokens of width 16:
     what every block costs whatever its size."""
-    from heteroflow.config.model import ModelSpec
     from heteroflow.models.llama import Block
     spec = ModelSpec(num_layers=1, hidden_size=16, ffn_hidden_size=16, num_attention_heads=2, num_kv_heads=1,
                      vocab_size=16, seq_length=4)
@@ -142,7 +143,6 @@ def _reference_block_s(torch, dtype, budget_s: float) -> tuple[float, float]:
     """(forward, backward) seconds of heteroflow's real block at the `REFERENCE_BLOCK` shape, run as a
     pipeline stage runs it: the forwards of `REFERENCE_IN_FLIGHT` micro-batches keep their activations until
     the backwards (fresh memory for each, unlike a loop over one input, which reuses the same buffers)."""
-    from heteroflow.config.model import ModelSpec
     from heteroflow.models.llama import Block
     shape = dict(REFERENCE_BLOCK)
     batch = shape.pop("micro_batch_size")
@@ -173,9 +173,7 @@ def _block_elementwise_gb_per_s(torch, budget_s: float) -> float:
     """The elementwise rate of heteroflow's block: the block with its projections and attention core
     replaced by identities, at 512 tokens minus at 4 tokens (which removes the fixed cost), over the bytes
     `compute.elementwise_elements` counts for that difference (the backward counted as twice the forward)."""
-    from heteroflow.config.model import ModelSpec
     from heteroflow.models.llama import Block
-    from heteroflow.stagemap.compute import elementwise_elements
     spec = ModelSpec(num_layers=1, hidden_size=_PROBE_HIDDEN, ffn_hidden_size=_PROBE_HIDDEN,
                      num_attention_heads=_PROBE_HEADS, num_kv_heads=_PROBE_HEADS, vocab_size=16, seq_length=128)
     blocks = torch.nn.Sequential(*(_elementwise_only(Block(spec), torch) for _ in range(4)))

@@ -8,14 +8,8 @@ import math
 import pytest
 
 from heteroflow.config.device import VENDORS
-from heteroflow.devices import (
-    ALIASES,
-    CATALOG,
-    catalog_json,
-    catalog_names,
-    format_catalog,
-    lookup,
-)
+from heteroflow.config.catalog import ALIASES, CATALOG, catalog_names, lookup
+from heteroflow.devices.report import catalog_json, format_catalog
 from heteroflow.errors import UserError
 
 REQUIRED = [

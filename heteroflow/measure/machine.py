@@ -1,10 +1,10 @@
-"""Measurements behind `heteroflow profile` (imports torch lazily; everything else in stagemap is pure).
+"""This machine's profile, the measurements behind `heteroflow profile` (imports torch lazily):
 
 - GEMM throughput of square n x n x n matmuls over sizes and dtypes, on the local device;
 - device memory bandwidth (a large copy) and the device-host link (pinned copies; the same copy on CPU);
 - the cost of one small kernel (launch and dispatch overhead);
 - one host CPU thread running heteroflow's code (`cpu_thread`, what an emulated rank uses; see
-  `measure_thread`);
+  `measure.thread`);
 - the link between two local processes over the backend in use (gloo on CPU, nccl with two GPUs), in a
   child process pair on a free port, with a timeout (fastest round trips: waiting for a core is not the link);
 - sequential disk write and read with O_DIRECT (aligned buffers), falling back to fsync + dropping the
@@ -19,11 +19,11 @@ import socket
 import tempfile
 import time
 
+from heteroflow.config.catalog import CATALOG
 from heteroflow.errors import UserError
+from heteroflow.measure.thread import measure_cpu_thread
+from heteroflow.measure.timing import PROFILE_DTYPES, square_gemm_tflops, sync_for, time_calls
 from heteroflow.stagemap.profile import DeviceProfile, DiskProfile, HostProfile, LinkProfile, Profile
-
-PROFILE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-"""Precisions the profile measures, and their torch dtype names."""
 
 
 def measure_profile(*, quick: bool = False, device_type: str | None = None, disk_dir: str | None = None,
@@ -50,7 +50,6 @@ def measure_profile(*, quick: bool = False, device_type: str | None = None, disk
                        memory_gb_per_s=host_mem)
     link_profile = _measure_link(cuda and torch.cuda.device_count() >= 2, 4 if quick else 64, link_timeout_s) if link else None
     disk = _measure_disk(disk_dir or tempfile.gettempdir(), 16 if quick else 256)
-    from heteroflow.stagemap.measure_thread import measure_cpu_thread
     cpu_thread = measure_cpu_thread(quick=quick)
     return Profile(host=host, devices=(dev,), link=link_profile, disk=disk, cpu_thread=cpu_thread)
 
@@ -68,7 +67,7 @@ def _cpu_name() -> str:
 
 def _device_type(given: str | None, name: str, cuda: bool) -> tuple[str, str]:
     """(device type the profile describes, vendor)."""
-    from heteroflow.devices.catalog import CATALOG
+    from heteroflow.config.catalog import CATALOG
     if given is not None:
         spec = CATALOG.get(given)
         return given, spec.vendor if spec else ("cpu" if not cuda else "nvidia")
@@ -83,37 +82,10 @@ def _device_type(given: str | None, name: str, cuda: bool) -> tuple[str, str]:
                     "(see `heteroflow devices --catalog`)")
 
 
-def time_calls(fn, budget_s: float, sync, clock=time.perf_counter) -> float:
-    """Seconds (of `clock`) per call of `fn`, repeated for about `budget_s` after a warm-up."""
-    fn()
-    sync()
-    calls, start = 0, clock()
-    while True:
-        fn()
-        calls += 1
-        if calls % 2 == 0:
-            sync()
-            elapsed = clock() - start
-            if elapsed >= budget_s:
-                return elapsed / calls
-
-
-def _sync(torch, device):
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
-def square_gemm_tflops(torch, device, n: int, dtype, budget_s: float, clock=time.perf_counter) -> float:
-    """TFLOP/s of an n x n x n matmul (timed with `clock`)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    seconds = time_calls(lambda: torch.mm(a, b), budget_s, _sync(torch, device), clock)
-    return 2.0 * n ** 3 / seconds / 1e12
-
-
 def _copy_gb_per_s(torch, device, mib: int, budget_s: float) -> float:
     src = torch.empty(mib << 18, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = time_calls(lambda: dst.copy_(src), budget_s, _sync(torch, device))
+    seconds = time_calls(lambda: dst.copy_(src), budget_s, sync_for(torch, device))
     return 2.0 * src.numel() * 4 / seconds / 1e9  # read + write
 
 
@@ -126,7 +98,7 @@ def _host_link_gb_per_s(torch, mib: int, budget_s: float) -> float:
 
 def _launch_s(torch, device, calls: int) -> float:
     x = torch.zeros(1, device=device)
-    sync = _sync(torch, device)
+    sync = sync_for(torch, device)
     x.add_(1)
     sync()
     start = time.perf_counter()
