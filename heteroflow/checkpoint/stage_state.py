@@ -14,10 +14,10 @@ What each rank writes (so every value is stored exactly once):
 Loading reads, for each local shard or ZeRO range of the new layout, exactly its boxes from whatever
 pieces cover them.
 
-The optimizer provides `zero`, `steps`, `state_views(writable=...)`, `named_weights()` and
-`load_weights(values)`: `DataParallelAdamW`, and `OffloadedAdamW`, whose parameters and state may live in
-CPU memory or on SSD (its state views are copies, and with `writable=True` what is written into them is
-stored back in the offload tier).
+The optimizer is a `heteroflow.optim.StageOptimizer`; this module uses its `zero`, `steps`,
+`state_views(writable=...)`, `named_weights()` and `load_weights(values)`: `DataParallelAdamW`, and
+`OffloadedAdamW`, whose parameters and state may live in CPU memory or on SSD (its state views are copies,
+and with `writable=True` what is written into them is stored back in the offload tier).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import nn
 from heteroflow.checkpoint.pieces import CheckpointReader, Piece, flat_range_boxes, shift_box
 from heteroflow.models.init import canonical_name
 from heteroflow.models.shard import ParamShard, shard_of
+from heteroflow.optim import StageOptimizer
 from heteroflow.remap.layout import box_shape
 
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -61,7 +62,7 @@ def _zero_boxes(shard: ParamShard, start: int, stop: int) -> list[tuple[int, int
             for a, b, box in flat_range_boxes(shard.local_shape, start, stop)]
 
 
-def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> list[Piece]:
+def stage_pieces(model: nn.Module, optimizer: StageOptimizer | None, *, tp_rank: int, dp_rank: int) -> list[Piece]:
     """The pieces this rank writes: its share of the parameters and of the optimizer state."""
     pieces = []
     stored = {id(param): (name, shard) for name, param, shard in _stored_params(model, tp_rank)}
@@ -82,7 +83,8 @@ def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> 
 
 
 @torch.no_grad()
-def load_stage(model: nn.Module, optimizer, reader: CheckpointReader, *, optimizer_steps: int) -> None:
+def load_stage(model: nn.Module, optimizer: StageOptimizer | None, reader: CheckpointReader, *,
+               optimizer_steps: int) -> None:
     """Fill the model shard and the optimizer state this rank holds from a checkpoint (any layout)."""
     tied = getattr(model, "spec", None) is not None and model.spec.tie_embeddings
     names, values = {}, {}

@@ -13,7 +13,8 @@ Everything lives in flat fp32 buffers (one bucket, no overlap with backward: sim
 cost is one extra fp32 copy of the gradients). ZeRO stage 1 and 2 behave the same here: gradients
 are reduce-scattered, and each dp rank keeps fp32 master weights and Adam moments for its 1/dp of
 the flat buffer only, then all-gathers the updated weights. Weight decay skips 1-D parameters
-(norm weights and biases), as Megatron-LM does.
+(norm weights and biases), as Megatron-LM does. The update itself is `heteroflow.optim.adamw_step`
+(torch's functional AdamW), the one `OffloadedAdamW` runs too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed import ProcessGroup
 
 from heteroflow.models.shard import shard_of
 from heteroflow.models.tp_ops import _ALL_GATHER, _REDUCE_SCATTER
+from heteroflow.optim.adamw import adamw_step
 
 
 def all_reduce_partial_grads(model: nn.Module, tp_group: ProcessGroup | None) -> None:
@@ -75,7 +77,8 @@ class _Segment:
 
 
 class DataParallelAdamW:
-    """AdamW with fp32 master weights over one stage's parameters, gradients summed over `dp_group`.
+    """AdamW with fp32 master weights over one stage's parameters, gradients summed over `dp_group`
+    (a `heteroflow.optim.StageOptimizer`).
 
     zero=0: every dp rank keeps all masters and moments; zero=1 (or 2): each keeps 1/dp of them.
     Build it after the weights are initialized or loaded (the masters copy the current values).
@@ -111,7 +114,7 @@ class DataParallelAdamW:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad: torch.Tensor | None = None
         self.steps = 0
-        self._decayed_runs = self._runs(s for s in self.segments if s.decay)
+        self._runs = self._owned_runs()
 
     def _flat_params(self) -> torch.Tensor:
         device = self.segments[0].param.device if self.segments else None
@@ -125,17 +128,18 @@ class DataParallelAdamW:
         a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
         return (a - self.lo, b - self.lo) if a < b else None
 
-    def _runs(self, segments) -> list[tuple[int, int]]:
-        """The owned parts of `segments`, adjacent ones merged: one tensor op per run instead of per parameter."""
-        runs: list[tuple[int, int]] = []
-        for s in segments:
+    def _owned_runs(self) -> list[tuple[int, int, bool]]:
+        """The owned parts of the segments as `(a, b, decay)`, adjacent ones with the same decay merged: one
+        tensor op per run instead of per parameter."""
+        runs: list[tuple[int, int, bool]] = []
+        for s in self.segments:
             part = self._owned(s)
             if part is None:
                 continue
-            if runs and runs[-1][1] == part[0]:
-                runs[-1] = (runs[-1][0], part[1])
+            if runs and runs[-1][1] == part[0] and runs[-1][2] == s.decay:
+                runs[-1] = (runs[-1][0], part[1], s.decay)
             else:
-                runs.append(part)
+                runs.append((*part, s.decay))
         return runs
 
     @torch.no_grad()
@@ -183,18 +187,11 @@ class DataParallelAdamW:
         then write the new weights into the model (all-gathered from the dp ranks with ZeRO)."""
         assert self.grad is not None, "call reduce_grads() first"
         self.steps += 1
-        beta1, beta2 = self.betas
-        # In place on this rank's reduced gradient, which is ours and read only here: full-size
-        # temporaries cost page faults on every step on CPU.
-        grad = self.grad.mul_(grad_scale) if grad_scale != 1.0 else self.grad
-        if self.weight_decay:  # decoupled, matrices only
-            for a, b in self._decayed_runs:
-                self.master[a:b].mul_(1 - lr * self.weight_decay)
-        self.exp_avg.lerp_(grad, 1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
-        denom = torch.sqrt(self.exp_avg_sq, out=grad).div_(bias2 ** 0.5).add_(self.eps)  # the gradient is used up
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        grad = self.grad.mul_(grad_scale) if grad_scale != 1.0 else self.grad  # ours, read only here
+        runs = [slice(a, b) for a, b, _ in self._runs]
+        adamw_step([self.master[r] for r in runs], [grad[r] for r in runs], [self.exp_avg[r] for r in runs],
+                   [self.exp_avg_sq[r] for r in runs], decays=[decay for _, _, decay in self._runs],
+                   step=self.steps, lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         self.grad = None
         full = self.master
         if self.zero and self.dp > 1:
