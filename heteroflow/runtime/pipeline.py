@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from heteroflow.backends import StageBoundary
-from heteroflow.runtime.offload_step import activation_context
+from heteroflow.offload.activations import activation_context as tier_context
 from heteroflow.runtime.schedule import FORWARD, stage_actions
 from heteroflow.runtime.stage import StageRuntime
 
@@ -72,6 +72,11 @@ class _Recvs:
         tensor = handle.wait()
         self._next = self._start() if self._ahead else None
         return tensor
+
+
+def activation_context(rt: StageRuntime) -> contextlib.AbstractContextManager:
+    """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier."""
+    return tier_context(rt.stage.offload.activations, rt.device)
 
 
 def receives_ahead(boundary: StageBoundary) -> bool:

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from heteroflow.config import PRESETS
+from heteroflow.devices.facade import Device
 from heteroflow.models import DataParallelAdamW, build_stage_model, init_weights
+from heteroflow.offload.optimizer import ADAM_ENV
+from heteroflow.offload.policy import OffloadPolicy
+from heteroflow.offload.stage_optimizer import OffloadedAdamW
 from heteroflow.optim import StageOptimizer, adamw_kernel, adamw_step
 
 SPEC = replace(PRESETS["micro-llama"], num_layers=2)
@@ -66,5 +70,12 @@ def test_foreach_and_fused_kernels_run_the_same_update(kernel):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_data_parallel_adamw_is_a_stage_optimizer():
+def test_both_stage_optimizers_are_stage_optimizers(tmp_path, monkeypatch):
+    monkeypatch.setenv(ADAM_ENV, "torch")  # no DeepSpeed op build for a check of the interface
     assert isinstance(DataParallelAdamW(_model(), dp_group=None, **HP), StageOptimizer)
+    policy = OffloadPolicy(optimizer="cpu", swap_root=str(tmp_path))
+    offloaded = OffloadedAdamW(_model(), policy=policy, device=Device.cpu(), dp_group=None, tp_group=None, **HP)
+    try:
+        assert isinstance(offloaded, StageOptimizer)
+    finally:
+        offloaded.close()
