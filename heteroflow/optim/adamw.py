@@ -1,8 +1,9 @@
 """The AdamW update under every optimizer of heteroflow: torch's functional AdamW.
 
 `DataParallelAdamW` (flat fp32 buffers on the device) and `StreamedAdamW` (state streamed from cpu or ssd)
-both step through `adamw_step`, so the two agree bit for bit on the same device, and on the CPU with
-`torch.optim.AdamW`, which the single-process reference trainer uses. (`StreamedAdamW` may instead run
+both step through `adamw_step`, so they run the same arithmetic with the same kernel on a given device;
+on the CPU they agree bit for bit with each other and with `torch.optim.AdamW`, which the single-process
+reference trainer uses. (`StreamedAdamW` may instead run
 DeepSpeedCPUAdam on the host, a different rounding it chooses by itself: `HETEROFLOW_CPU_ADAM`.)
 """
 
