@@ -134,7 +134,8 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float) -> tuple[float, fl
 
 def measure_plan(job, steps: int, warmup: int, work_dir: Path, name: str) -> list[float]:
     """Train `job` emulated for `steps` steps; rank 0's step times after `warmup` steps."""
-    from heteroflow.runtime.train import TrainOptions, train_job
+    from heteroflow.launcher.prepare import TrainOptions
+    from heteroflow.launcher.train import train_job
     metrics = work_dir / f"{name}.jsonl"
     train_job(job, TrainOptions(emulate=True, steps=steps, metrics_path=str(metrics),
                                 log_dir=str(work_dir / f"logs-{name}")))

@@ -86,8 +86,9 @@ def cmd_import_megatron(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a job under its plan (or `--plan`), on this machine's devices or emulated."""
     from heteroflow.config import load_job
-    from heteroflow.runtime.launch import TrainingFailed
-    from heteroflow.runtime.train import TrainOptions, train_job
+    from heteroflow.launcher.launch import TrainingFailed
+    from heteroflow.launcher.prepare import TrainOptions
+    from heteroflow.launcher.train import train_job
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if (args.node is None) != (args.rdzv is None):

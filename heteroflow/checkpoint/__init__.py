@@ -3,7 +3,7 @@
 `files` (directory layout, atomic publication, pruning, safe paths; no torch), `pieces` (safetensors +
 JSON index, reading any box), `stage_state` (a stage's model and optimizer state as pieces), `save`
 (the multi-rank write protocol), `meta` (metadata and RNG). The runtime's use is in
-`heteroflow/runtime/checkpoint.py`.
+`heteroflow/runtime/checkpoint.py`, the check before launch in `heteroflow/launcher/prepare.py`.
 """
 
 from heteroflow.checkpoint.files import MARKER, complete_checkpoints, latest_checkpoint, step_dir_name

@@ -14,10 +14,10 @@ What each rank writes (so every value is stored exactly once):
 Loading reads, for each local shard or ZeRO range of the new layout, exactly its boxes from whatever
 pieces cover them.
 
-The optimizer provides `zero`, `steps`, `state_views(writable=...)`, `named_weights()` and
-`load_weights(values)`: `DataParallelAdamW`, and `OffloadedAdamW`, whose parameters and state may live in
-CPU memory or on SSD (its state views are copies, and with `writable=True` what is written into them is
-stored back in the offload tier).
+The optimizer is a `heteroflow.optim.StageOptimizer`; this module uses its `zero`, `steps`,
+`state_views(writable=...)`, `named_weights()` and `load_weights(values)`: `DataParallelAdamW`, and
+`OffloadedAdamW`, whose parameters and state may live in CPU memory or on SSD (its state views are copies,
+and with `writable=True` what is written into them is stored back in the offload tier).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ import torch
 from torch import nn
 
 from heteroflow.checkpoint.pieces import CheckpointReader, Piece, flat_range_boxes, shift_box
+from heteroflow.layout.shards import counted_once
 from heteroflow.models.init import canonical_name
 from heteroflow.models.shard import ParamShard, shard_of
+from heteroflow.optim import StageOptimizer
 from heteroflow.remap.layout import box_shape
 
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -48,11 +50,10 @@ def _stored_params(model: nn.Module, tp_rank: int) -> Iterator[tuple[str, nn.Par
     tied = getattr(model, "spec", None) is not None and model.spec.tie_embeddings
     for name, param in model.named_parameters():
         shard = shard_of(param)
-        if tied and canonical_name(name, tie_embeddings=True) != name:
-            continue  # the head copy of a tied embedding: stored as embed.weight by the first stage
-        if shard.dim is None and tp_rank != 0:
-            continue  # replicated over tp
-        yield name, param, shard
+        # the head copy of a tied embedding is stored as embed.weight by the first stage
+        head_copy = tied and canonical_name(name, tie_embeddings=True) != name
+        if counted_once(split_over_tp=shard.dim is not None, tp_rank=tp_rank, tied_head_copy=head_copy):
+            yield name, param, shard
 
 
 def _zero_boxes(shard: ParamShard, start: int, stop: int) -> list[tuple[int, int, tuple]]:
@@ -61,7 +62,7 @@ def _zero_boxes(shard: ParamShard, start: int, stop: int) -> list[tuple[int, int
             for a, b, box in flat_range_boxes(shard.local_shape, start, stop)]
 
 
-def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> list[Piece]:
+def stage_pieces(model: nn.Module, optimizer: StageOptimizer | None, *, tp_rank: int, dp_rank: int) -> list[Piece]:
     """The pieces this rank writes: its share of the parameters and of the optimizer state."""
     pieces = []
     stored = {id(param): (name, shard) for name, param, shard in _stored_params(model, tp_rank)}
@@ -69,7 +70,8 @@ def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> 
         values = dict(optimizer.named_weights() if optimizer is not None else model.named_parameters())
         for name, param, shard in _stored_params(model, tp_rank):
             pieces.append(Piece("param", name, shard.full_shape, shard_box(shard), values[name].detach()))
-    if optimizer is None or not (optimizer.zero or dp_rank == 0):
+    if optimizer is None or not counted_once(split_over_tp=True, tp_rank=tp_rank, dp_rank=dp_rank,
+                                             split_over_dp=bool(optimizer.zero)):
         return pieces  # without ZeRO every dp rank keeps the same state: dp rank 0 writes it
     for param, start, stop, views in optimizer.state_views(writable=False):
         if id(param) not in stored:
@@ -82,7 +84,8 @@ def stage_pieces(model: nn.Module, optimizer, *, tp_rank: int, dp_rank: int) -> 
 
 
 @torch.no_grad()
-def load_stage(model: nn.Module, optimizer, reader: CheckpointReader, *, optimizer_steps: int) -> None:
+def load_stage(model: nn.Module, optimizer: StageOptimizer | None, reader: CheckpointReader, *,
+               optimizer_steps: int) -> None:
     """Fill the model shard and the optimizer state this rank holds from a checkpoint (any layout)."""
     tied = getattr(model, "spec", None) is not None and model.spec.tie_embeddings
     names, values = {}, {}

@@ -13,7 +13,8 @@ Everything lives in flat fp32 buffers (one bucket, no overlap with backward: sim
 cost is one extra fp32 copy of the gradients). ZeRO stage 1 and 2 behave the same here: gradients
 are reduce-scattered, and each dp rank keeps fp32 master weights and Adam moments for its 1/dp of
 the flat buffer only, then all-gathers the updated weights. Weight decay skips 1-D parameters
-(norm weights and biases), as Megatron-LM does.
+(norm weights and biases), as Megatron-LM does. The update itself is `heteroflow.optim.adamw_step`
+(torch's functional AdamW), the one `OffloadedAdamW` runs too.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from heteroflow.layout.shards import counted_once
 from heteroflow.models.shard import shard_of
 from heteroflow.models.tp_ops import _ALL_GATHER, _REDUCE_SCATTER
+from heteroflow.optim.adamw import adamw_step
 
 
 def all_reduce_partial_grads(model: nn.Module, tp_group: ProcessGroup | None) -> None:
@@ -54,7 +57,7 @@ def sync_tied_grads(model: nn.Module, *, group: ProcessGroup, tp_rank: int, dp_r
         param = model.get_parameter(name)
         shard = shard_of(param)
         full = torch.zeros(shard.full_shape, dtype=torch.float32, device=param.device)
-        if param.grad is not None and (shard.dim is not None or tp_rank == 0):
+        if param.grad is not None and counted_once(split_over_tp=shard.dim is not None, tp_rank=tp_rank):
             shard.take(full).copy_(param.grad)
         dist.all_reduce(full, group=group)
         total = shard.take(full)
@@ -70,12 +73,13 @@ class _Segment:
     numel: int
     decay: bool
     counted: bool
-    """Counts toward the global gradient norm on this rank (tp-replicated values count on tp rank 0
-    only; the head copy of an embedding tied across stages counts on the first stage)."""
+    """Counts toward the global gradient norm on this rank (`layout.shards.counted_once`: tp-replicated
+    values on tp rank 0, unsharded state on dp rank 0, an embedding tied across stages on the first stage)."""
 
 
 class DataParallelAdamW:
-    """AdamW with fp32 master weights over one stage's parameters, gradients summed over `dp_group`.
+    """AdamW with fp32 master weights over one stage's parameters, gradients summed over `dp_group`
+    (a `heteroflow.optim.StageOptimizer`).
 
     zero=0: every dp rank keeps all masters and moments; zero=1 (or 2): each keeps 1/dp of them.
     Build it after the weights are initialized or loaded (the masters copy the current values).
@@ -98,7 +102,8 @@ class DataParallelAdamW:
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
-            counted = name not in head_copy and (shard_of(param).dim is not None or tp_rank == 0)
+            counted = counted_once(split_over_tp=shard_of(param).dim is not None, tp_rank=tp_rank,
+                                   dp_rank=self.dp_rank, split_over_dp=bool(zero), tied_head_copy=name in head_copy)
             self.segments.append(_Segment(param, offset, param.numel(), param.dim() >= 2, counted))
             offset += param.numel()
         self.numel = offset
@@ -111,7 +116,7 @@ class DataParallelAdamW:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad: torch.Tensor | None = None
         self.steps = 0
-        self._decayed_runs = self._runs(s for s in self.segments if s.decay)
+        self._runs = self._owned_runs()
 
     def _flat_params(self) -> torch.Tensor:
         device = self.segments[0].param.device if self.segments else None
@@ -125,17 +130,18 @@ class DataParallelAdamW:
         a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
         return (a - self.lo, b - self.lo) if a < b else None
 
-    def _runs(self, segments) -> list[tuple[int, int]]:
-        """The owned parts of `segments`, adjacent ones merged: one tensor op per run instead of per parameter."""
-        runs: list[tuple[int, int]] = []
-        for s in segments:
+    def _owned_runs(self) -> list[tuple[int, int, bool]]:
+        """The owned parts of the segments as `(a, b, decay)`, adjacent ones with the same decay merged: one
+        tensor op per run instead of per parameter."""
+        runs: list[tuple[int, int, bool]] = []
+        for s in self.segments:
             part = self._owned(s)
             if part is None:
                 continue
-            if runs and runs[-1][1] == part[0]:
-                runs[-1] = (runs[-1][0], part[1])
+            if runs and runs[-1][1] == part[0] and runs[-1][2] == s.decay:
+                runs[-1] = (runs[-1][0], part[1], s.decay)
             else:
-                runs.append(part)
+                runs.append((*part, s.decay))
         return runs
 
     @torch.no_grad()
@@ -167,8 +173,6 @@ class DataParallelAdamW:
         all stages, is the squared norm of the whole model's gradient (each value counted once)."""
         assert self.grad is not None, "call reduce_grads() first"
         total = torch.zeros((), dtype=torch.float32, device=self.master.device)
-        if not self.zero and self.dp_rank != 0:
-            return total  # every dp rank holds the same reduced gradient: count it on one
         # Parameter by parameter, in model order: the offloaded optimizer sums the same terms in the same
         # order, so a plan trains bit for bit alike with and without offload.
         for s in self.segments:
@@ -183,18 +187,11 @@ class DataParallelAdamW:
         then write the new weights into the model (all-gathered from the dp ranks with ZeRO)."""
         assert self.grad is not None, "call reduce_grads() first"
         self.steps += 1
-        beta1, beta2 = self.betas
-        # In place on this rank's reduced gradient, which is ours and read only here: full-size
-        # temporaries cost page faults on every step on CPU.
-        grad = self.grad.mul_(grad_scale) if grad_scale != 1.0 else self.grad
-        if self.weight_decay:  # decoupled, matrices only
-            for a, b in self._decayed_runs:
-                self.master[a:b].mul_(1 - lr * self.weight_decay)
-        self.exp_avg.lerp_(grad, 1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
-        denom = torch.sqrt(self.exp_avg_sq, out=grad).div_(bias2 ** 0.5).add_(self.eps)  # the gradient is used up
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        grad = self.grad.mul_(grad_scale) if grad_scale != 1.0 else self.grad  # ours, read only here
+        runs = [slice(a, b) for a, b, _ in self._runs]
+        adamw_step([self.master[r] for r in runs], [grad[r] for r in runs], [self.exp_avg[r] for r in runs],
+                   [self.exp_avg_sq[r] for r in runs], decays=[decay for _, _, decay in self._runs],
+                   step=self.steps, lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         self.grad = None
         full = self.master
         if self.zero and self.dp > 1:

@@ -10,8 +10,10 @@ device budget); `TieredStore` is the chunk store underneath, `SwapDir` the scrat
 SSD tier, `DeviceBudget` the exact bookkeeping of resident device bytes. SSD I/O runs through
 DeepSpeed's async_io op when it builds, else a thread pool with O_DIRECT (`IOEngine.which`); the CPU
 Adam step through DeepSpeedCPUAdam when it builds, else torch's AdamW kernel (`StreamedAdamW.which`).
-For the planner: `offload_traffic` (bytes per step by link) priced with `measure_offload` (this host's
-disk, copy and CPU-Adam rates, for `heteroflow profile`).
+`OffloadedAdamW` is the optimizer (a `heteroflow.optim.StageOptimizer`) of a stage rank that offloads
+optimizer state or parameters, built on `StageOffload`. For the planner: `offload_traffic` (bytes per
+step by link) priced with `measure_offload` (this host's disk, copy and CPU-Adam rates, for
+`heteroflow profile`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _EXPORTS = {
     "IOEngine": "aio", "IORequest": "aio", "open_engine": "aio",
     "DeviceBudget": "budget", "DeviceBudgetExceeded": "budget",
     "OffloadBandwidths": "measure", "measure_offload": "measure",
-    "StreamedAdamW": "optimizer", "OffloadedParams": "params",
+    "StreamedAdamW": "optimizer", "OffloadedParams": "params", "OffloadedAdamW": "stage_optimizer",
     "OffloadPolicy": "policy", "OffloadTraffic": "policy", "device_budget_bytes": "policy",
     "offload_traffic": "policy", "StageOffload": "stage", "ChunkLayout": "store", "TieredStore": "store",
     "SwapDir": "swap",
@@ -40,7 +42,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ActivationOffload", "ChunkLayout", "DeviceBudget", "DeviceBudgetExceeded", "IOEngine", "IORequest",
-    "OffloadBandwidths", "OffloadPolicy", "OffloadTraffic", "OffloadedParams", "StageOffload", "StreamedAdamW", "SwapDir",
-    "TieredStore", "activation_context", "device_budget_bytes", "measure_offload", "offload_traffic",
-    "open_engine",
+    "OffloadBandwidths", "OffloadPolicy", "OffloadTraffic", "OffloadedAdamW", "OffloadedParams", "StageOffload",
+    "StreamedAdamW", "SwapDir", "TieredStore", "activation_context", "device_budget_bytes", "measure_offload",
+    "offload_traffic", "open_engine",
 ]

@@ -13,8 +13,8 @@ fp32, per group, by `add_grads`; clipping works on those (`clip_grad_norm_`).
 The update is DeepSpeedCPUAdam's vectorized op when it builds (`adamw_mode=True`, bias correction on:
 the same decoupled-weight-decay AdamW as torch's, rounded slightly differently: its bias corrections are
 fp32 and it multiplies by 1/sqrt(1 - beta2^t) where torch divides), or else torch's own AdamW kernel
-(`torch.optim.adamw.adamw`, single-tensor path) applied per parameter, which is bit-identical to
-`torch.optim.AdamW` on the CPU. `which` says which runs.
+applied per parameter through `heteroflow.optim.adamw_step` (the update `DataParallelAdamW` runs), which
+is bit-identical to `torch.optim.AdamW` on the CPU. `which` says which runs.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-from torch.optim.adamw import adamw as torch_adamw
 
 from heteroflow.errors import UserError
 from heteroflow.offload.aio import log_once
 from heteroflow.offload.ops import load_deepspeed_op
 from heteroflow.offload.store import TieredStore
+from heteroflow.optim.adamw import adamw_step
 
 ADAM_ENV = "HETEROFLOW_CPU_ADAM"
 """`auto` (default: DeepSpeedCPUAdam when it builds, else torch), `torch` (bit-identical to torch.optim.AdamW),
@@ -219,16 +219,9 @@ class StreamedAdamW:
                 self._ds.adam_update(self._opt_id, self.step_count, lr, self.betas[0], self.betas[1], self.eps,
                                      self.weight_decay if decay else 0.0, True, p, g, m, v)
             return
-        for decay in (True, False):
-            part = [v for v in views if v[4] == decay]
-            if not part:
-                continue
-            steps = [torch.tensor(float(self.step_count - 1)) for _ in part]  # adamw increments each
-            torch_adamw([v[0] for v in part], [v[1] for v in part], [v[2] for v in part], [v[3] for v in part],
-                        [], steps, foreach=False, fused=False, capturable=False, differentiable=False,
-                        grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=self.betas[0],
-                        beta2=self.betas[1], lr=lr, weight_decay=self.weight_decay if decay else 0.0,
-                        eps=self.eps, maximize=False)
+        adamw_step([v[0] for v in views], [v[1] for v in views], [v[2] for v in views], [v[3] for v in views],
+                   decays=[v[4] for v in views], step=self.step_count, lr=lr, betas=self.betas, eps=self.eps,
+                   weight_decay=self.weight_decay)
 
     def _emit(self, piece: _Piece, master: torch.Tensor) -> None:
         """Send the piece's updated values to the model's tensors or to the parameter tier."""

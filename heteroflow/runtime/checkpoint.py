@@ -9,7 +9,8 @@ resume from the newest complete checkpoint under any plan.
 
 Resuming is asked for by `WorkerArgs.resume` (`heteroflow train --resume`) or happens by itself after an
 elastic restart (`TORCHELASTIC_RESTART_COUNT` > 0). Without a complete checkpoint it starts at step 0,
-with a note. A checkpoint whose model spec differs from the job's is refused.
+with a note. A checkpoint whose model spec differs from the job's is refused (before launch already:
+`heteroflow.launcher.prepare.prepare_resume`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from heteroflow.checkpoint.pieces import CheckpointReader
 from heteroflow.checkpoint.save import save_checkpoint
 from heteroflow.checkpoint.stage_state import load_stage, stage_pieces
 from heteroflow.config import JobConfig
-from heteroflow.errors import UserError
 
 
 def restart_count() -> int:
@@ -43,34 +43,6 @@ def checkpoint_root(job: JobConfig) -> Path | None:
     """The job's checkpoint directory (absolute), or None when it writes none."""
     spec = job.train.checkpoint
     return Path(job.resolve_path(spec.dir)) if spec is not None else None
-
-
-def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
-    """Before launching: check that the run can start as asked; returns a line to show, or None.
-
-    `--resume` needs `train.checkpoint`; it continues from the newest complete checkpoint (whose model
-    must be the job's), or starts at step 0 when there is none yet. Without `--resume`, a directory
-    that already holds checkpoints is refused, so a fresh run never mixes with an older one.
-    """
-    root = checkpoint_root(job)
-    if root is None:
-        if resume:
-            raise UserError("--resume needs a checkpoint directory: add `train.checkpoint: {dir: PATH, interval: "
-                            "STEPS, keep: N}` to the job")
-        return None
-    found = complete_checkpoints(root)
-    if not resume:
-        if found:
-            raise UserError(f"train.checkpoint.dir {root} already holds checkpoints (newest: {found[-1][1].name}); "
-                            "pass --resume to continue from it, or use an empty directory for a fresh run")
-        return None
-    if not found:
-        return f"no complete checkpoint in {root}: starting at step 0"
-    step, step_dir = found[-1]
-    meta = read_metadata(step_dir)
-    check_model(step_dir, meta, job.model.to_dict())
-    stages = len(meta.get("plan", {}).get("stages", ()))
-    return f"resuming from {step_dir} (step {step}, written by a {stages}-stage plan)"
 
 
 class TrainCheckpoints:

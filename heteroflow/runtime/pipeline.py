@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from heteroflow.backends import StageBoundary
-from heteroflow.runtime.offload_step import activation_context
 from heteroflow.layout.schedule import FORWARD, stage_actions
+from heteroflow.offload.activations import activation_context as tier_context
 from heteroflow.runtime.stage import StageRuntime
 
 _MAX_SENDS_IN_FLIGHT = 2
@@ -72,6 +72,11 @@ class _Recvs:
         tensor = handle.wait()
         self._next = self._start() if self._ahead else None
         return tensor
+
+
+def activation_context(rt: StageRuntime) -> contextlib.AbstractContextManager:
+    """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier."""
+    return tier_context(rt.stage.layout.offload.activations, rt.device)
 
 
 def receives_ahead(boundary: StageBoundary) -> bool:

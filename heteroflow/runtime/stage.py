@@ -15,7 +15,9 @@ from heteroflow.models.data_parallel import DataParallelAdamW
 from heteroflow.models.init import init_weights, materialize
 from heteroflow.models.llama import StageModel, build_stage_model
 from heteroflow.models.parallelize import parallelize_stage
-from heteroflow.runtime.offload_step import OffloadedAdamW, offloads_state
+from heteroflow.offload.stage_optimizer import OffloadedAdamW, offloads_state
+from heteroflow.optim import StageOptimizer
+from heteroflow.runtime.offload_setup import offloaded_optimizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -31,8 +33,8 @@ class StageRuntime:
     device: Device
     groups: ProcessGroups
     model: StageModel
-    optimizer: DataParallelAdamW | OffloadedAdamW
-    """`OffloadedAdamW` when the stage's plan offloads optimizer state or parameters."""
+    optimizer: StageOptimizer
+    """`OffloadedAdamW` when the stage's plan offloads optimizer state or parameters, else `DataParallelAdamW`."""
     prev: StageBoundary | None
     """Boundary from the previous stage (None on the first stage)."""
     next: StageBoundary | None
@@ -57,6 +59,15 @@ class StageRuntime:
     def autocast_dtype(self) -> torch.dtype | None:
         """Low-precision compute dtype under autocast, or None for fp32."""
         return None if self.job.train.precision == "fp32" else _DTYPES[self.job.train.precision]
+
+    def offload_report(self) -> dict | None:
+        """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
+        return self.optimizer.report() if isinstance(self.optimizer, OffloadedAdamW) else None
+
+    def close(self) -> None:
+        """Free the offload stores and delete the swap files (idempotent; call also when the step failed)."""
+        if isinstance(self.optimizer, OffloadedAdamW):
+            self.optimizer.close()
 
 
 def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, groups: ProcessGroups, *,
@@ -84,7 +95,8 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         init_weights(model, seed=job.train.seed)
     t = job.train
     if offloads_state(stage):
-        optimizer = OffloadedAdamW.for_stage(model, job=job, stage=stage, stage_index=k, groups=groups, device=device)
+        optimizer: StageOptimizer = offloaded_optimizer(model, job=job, stage=stage, stage_index=k, groups=groups,
+                                                        device=device)
     else:
         optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.layout.zero, 2),
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,

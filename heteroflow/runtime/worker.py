@@ -54,7 +54,6 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     """Train on this rank; every rank of the plan runs it at once."""
     from heteroflow.backends import RankMap, build_process_groups, init_world
     from heteroflow.devices.facade import Device
-    from heteroflow.runtime.offload_step import close_offload, offload_report
     from heteroflow.runtime.stage import build_stage_runtime
 
     job, plan, train = args.job, args.plan, args.job.train
@@ -74,7 +73,7 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
         args = replace(args, resume=True)
     init_from = job.resolve_path(train.init_from) if train.init_from else None
     rt = build_stage_runtime(job, plan, rank_map, groups, device=device, init_from=init_from)
-    if offload_report(rt) is not None and info.dp == 0 and info.tp == 0:  # once per stage: which paths run
+    if rt.offload_report() is not None and info.dp == 0 and info.tp == 0:  # once per stage: which paths run
         print(f"heteroflow: stage {info.stage} {rt.optimizer.describe()}", flush=True)
     try:  # an offloaded stage's swap files go when this rank ends, also when it fails
         first_step, losses = _train_steps(args, rt, rank)
@@ -84,9 +83,9 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
             params = dict(rt.model.named_parameters())  # offloaded blocks are placeholders: values come from their tier
             state = {name: (value.detach().cpu().clone(), shard_of(params[name]))
                      for name, value in rt.optimizer.named_weights()}
-        offload = offload_report(rt)
+        offload = rt.offload_report()
     finally:
-        close_offload(rt)
+        rt.close()
     dist.barrier(group=groups.world)
     if owns_world:
         dist.destroy_process_group()

@@ -183,6 +183,6 @@ def apply_measurements(model: DeviceModel, measured: DeviceProfile, profile: Pro
 
 
 def threads_per_process(cores: int, processes: int) -> int:
-    """Threads each of `processes` local workers gets: the cores split evenly, at least one. The same rule as
-    the launcher's `runtime.launch.threads_per_process` (kept apart: planning must not need the runtime)."""
+    """Threads each of `processes` local workers gets: the cores split evenly, at least one. The launcher sets
+    its workers' torch threads with this function, so emulated runs are priced with the threads they get."""
     return max(1, cores // max(1, processes))

@@ -20,7 +20,7 @@ from heteroflow.checkpoint.pieces import CheckpointReader, Piece
 from heteroflow.checkpoint.save import save_checkpoint
 from heteroflow.config import parse_job
 from heteroflow.errors import UserError
-from heteroflow.runtime.checkpoint import prepare_resume
+from heteroflow.launcher.prepare import prepare_resume
 
 
 def value(step: int) -> torch.Tensor:

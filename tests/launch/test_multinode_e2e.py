@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 from heteroflow.config import parse_job
-from heteroflow.runtime.launch import free_port
+from heteroflow.launcher.launch import free_port
 from heteroflow.runtime.worker import WorkerArgs, run_worker
 from heteroflow.testing import run_ranks
 from multinode_helpers import job_dict, outputs, start_nodes, stop_all, wait_nodes, write_job

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from heteroflow.errors import UserError
-from heteroflow.runtime.launch import free_port
-from heteroflow.runtime.rendezvous import (NodeEntry, check_roster, meet, open_store, parse_endpoint,
-                                           plan_fingerprint, roster_problems)
+from heteroflow.launcher.launch import free_port
+from heteroflow.launcher.rendezvous import (NodeEntry, check_roster, meet, open_store, parse_endpoint,
+                                            plan_fingerprint, roster_problems)
 
 PLAN_NODES = ["a", "b"]
 
@@ -102,7 +102,7 @@ def test_fingerprint_changes_with_the_job_and_endpoint_parsing():
 
 
 def test_unreachable_rendezvous_is_a_bounded_user_error(monkeypatch):
-    import heteroflow.runtime.rendezvous as rendezvous
+    import heteroflow.launcher.rendezvous as rendezvous
     monkeypatch.setattr(rendezvous, "_is_this_machine", lambda host: False)  # a node on another machine
     port = free_port()  # nobody listens there
     started = time.monotonic()

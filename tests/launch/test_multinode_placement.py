@@ -10,8 +10,8 @@ from conftest import problems
 from heteroflow.backends import RankMap
 from heteroflow.config import parse_job
 from heteroflow.devices.facade import visible_devices_variable
-from heteroflow.runtime.nodes import (ENV_NODE, ENV_NODE_RANKS, ENV_VISIBLE, assigned_rank, node_environment,
-                                      node_ranks, node_view, plan_nodes)
+from heteroflow.launcher.placement import node_environment, node_ranks, plan_nodes
+from heteroflow.runtime.nodes import ENV_NODE, ENV_NODE_RANKS, ENV_VISIBLE, assigned_rank, node_view
 
 JOB = {
     "cluster": {

@@ -11,9 +11,9 @@ import pytest
 
 from heteroflow.config import parse_job
 from heteroflow.errors import UserError
-from heteroflow.runtime.launch import TrainingFailed, free_port
-from heteroflow.runtime.multinode import job_on_nodes, replan, run_node
-from heteroflow.runtime.train import TrainOptions
+from heteroflow.launcher.launch import TrainingFailed, free_port
+from heteroflow.launcher.multinode import job_on_nodes, replan, run_node
+from heteroflow.launcher.prepare import TrainOptions
 
 CLUSTER = {"nodes": [{"name": n, "device": "cpu", "count": 1, "host": "127.0.0.1"} for n in ("a", "b", "c")]}
 JOB = {"cluster": CLUSTER, "model": {"preset": "micro-llama"},

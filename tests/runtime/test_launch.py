@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from heteroflow.runtime.launch import LaunchSpec, TrainingFailed, launch
+from heteroflow.launcher.launch import LaunchSpec, TrainingFailed, launch
 
 
 def _rank_times_ten(fail_rank: int) -> int:

@@ -15,10 +15,10 @@ import torch
 
 from heteroflow.config import parse_job
 from heteroflow.errors import ConfigError, UserError
+from heteroflow.launcher.swap import check_swap_space, swap_bytes, sweep_swap
 from heteroflow.offload.optimizer import ADAM_ENV, deepspeed_cpu_adam_module
+from heteroflow.offload.stage_optimizer import check_offload_plan
 from heteroflow.offload.swap import SCRATCH_MARKER, SWAP_PREFIX
-from heteroflow.runtime.offload_step import check_offload_plan
-from heteroflow.runtime.offload_swap import check_swap_space, swap_bytes, sweep_swap
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs, run_worker
 from heteroflow.testing import MultiprocError, run_ranks
@@ -269,9 +269,10 @@ def test_params_offload_with_tp_is_refused_naming_the_stage():
 
 
 def test_train_refuses_before_launch(tmp_path, monkeypatch):
-    from heteroflow.runtime.train import TrainOptions, train_job
+    from heteroflow.launcher.prepare import TrainOptions
+    from heteroflow.launcher.train import train_job
 
-    monkeypatch.setattr("heteroflow.runtime.train.launch", lambda *a: pytest.fail("launched a refused plan"))
+    monkeypatch.setattr("heteroflow.launcher.train.launch", lambda *a: pytest.fail("launched a refused plan"))
     monkeypatch.setenv("HETEROFLOW_CACHE", str(tmp_path / "cache"))
     job = _job([{"devices": ["a:0-3"], "layers": 4, "dp": 4, "zero": 2, "offload": {"optimizer": "cpu"}}])
     with pytest.raises(UserError, match=r"plan\.stages\[0\]: zero 2 together with offload"):
@@ -294,8 +295,9 @@ def test_offload_dir_is_a_strict_job_key():
 
 
 def test_swap_space_is_checked_before_launch(tmp_path, monkeypatch):
-    import heteroflow.runtime.offload_swap as offload_swap
-    from heteroflow.runtime.train import TrainOptions, train_job
+    import heteroflow.launcher.swap as launcher_swap
+    from heteroflow.launcher.prepare import TrainOptions
+    from heteroflow.launcher.train import train_job
 
     job = _job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "offload": {"optimizer": "ssd"}},
                 {"devices": ["a:2-3"], "layers": 2, "dp": 2, "offload": {"params": "ssd"}}],
@@ -307,8 +309,8 @@ def test_swap_space_is_checked_before_launch(tmp_path, monkeypatch):
     plain = _job([{"devices": ["a:0-1"], "layers": 4, "dp": 2}])
     assert swap_bytes(plain, plain.plan) == 0 and check_swap_space(plain, plain.plan) is None
 
-    monkeypatch.setattr(offload_swap.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
-    monkeypatch.setattr("heteroflow.runtime.train.launch", lambda *a: pytest.fail("launched despite a full disk"))
+    monkeypatch.setattr(launcher_swap.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 20))
+    monkeypatch.setattr("heteroflow.launcher.train.launch", lambda *a: pytest.fail("launched despite a full disk"))
     monkeypatch.setenv("HETEROFLOW_CACHE", str(tmp_path / "cache"))
     with pytest.raises(UserError, match=rf"not enough free disk space for offload swap files in {tmp_path / 'swap'}: "
                                         r"the plan's ssd tiers need .* GiB \(\d+ bytes\).* "
@@ -348,8 +350,8 @@ SMALL_CARDS = {"device_types": {"small-card": {"vendor": "ascend", "memory_gib":
 
 
 def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
+    from heteroflow.launcher.prepare import check_runnable, search_plan_or_fail
     from heteroflow.layout import OffloadSpec
-    from heteroflow.runtime.train import check_runnable, search_plan_or_fail
     from heteroflow.stagemap import SearchOptions, search_plan
 
     # Llama-2 7B on two 32 GiB cards: without offload and without ZeRO-3 (not run) nothing fits.
@@ -365,7 +367,7 @@ def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
 def test_every_layout_plan_auto_searches_is_run(num_devices, node_count):
     from heteroflow.config import StageSpec
     from heteroflow.config.cluster import DeviceRef
-    from heteroflow.runtime.offload_step import check_offload_stage
+    from heteroflow.offload.stage_optimizer import check_offload_stage
     from heteroflow.stagemap.layout import search_layouts
 
     job = parse_job({"cluster": SMALL_CARDS, "model": {"preset": "llama2-7b"}, "train": {"global_batch_size": 16}})

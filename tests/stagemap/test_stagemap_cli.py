@@ -115,7 +115,7 @@ def test_emulated_estimate_prices_this_machine():
 
 
 def test_plan_proposes_what_train_runs_and_all_layouts_may_do_better(tmp_path):
-    from heteroflow.runtime.train import check_runnable
+    from heteroflow.launcher.prepare import check_runnable
 
     job_path = REPO / "configs" / "jobs" / "llama3-70b-three-vendor.yaml"
     runnable = heteroflow("plan", str(job_path), "--json", "-o", str(tmp_path / "plan.yaml"))

@@ -1,7 +1,8 @@
-"""`heteroflow train`: choose the plan, prepare the data, launch one worker per device, collect results.
+"""Before any worker starts: the run's options, its plan, and every check that can fail on this machine
+(devices, runnable layouts, resumable checkpoints), so that a bad run stops with a `UserError` at once.
 
-One machine runs every rank of the plan (or, with `node`/`rdzv`, the ranks of one node of a multi-node
-run: `heteroflow.runtime.multinode`).
+Used by the single-node entry (`heteroflow.launcher.train`) and by each node's agent
+(`heteroflow.launcher.multinode`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from heteroflow.checkpoint.files import complete_checkpoints
+from heteroflow.checkpoint.meta import check_model, read_metadata
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
-from heteroflow.runtime.launch import LaunchSpec, launch
-from heteroflow.runtime.offload_step import check_offload_plan
-from heteroflow.runtime.offload_swap import check_swap_space, sweep_swap
-from heteroflow.runtime.worker import WorkerArgs, WorkerResult, run_worker
+from heteroflow.offload.stage_optimizer import check_offload_plan
+from heteroflow.runtime.checkpoint import checkpoint_root
+from heteroflow.runtime.worker import WorkerArgs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,6 +114,34 @@ def check_runnable(plan: PlanSpec) -> None:
                         "runtime yet; use zero: 0, 1 or 2, or let `heteroflow plan` (without --all-layouts) choose")
 
 
+def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
+    """Before launching: check that the run can start as asked; returns a line to show, or None.
+
+    `--resume` needs `train.checkpoint`; it continues from the newest complete checkpoint (whose model
+    must be the job's), or starts at step 0 when there is none yet. Without `--resume`, a directory
+    that already holds checkpoints is refused, so a fresh run never mixes with an older one.
+    """
+    root = checkpoint_root(job)
+    if root is None:
+        if resume:
+            raise UserError("--resume needs a checkpoint directory: add `train.checkpoint: {dir: PATH, interval: "
+                            "STEPS, keep: N}` to the job")
+        return None
+    found = complete_checkpoints(root)
+    if not resume:
+        if found:
+            raise UserError(f"train.checkpoint.dir {root} already holds checkpoints (newest: {found[-1][1].name}); "
+                            "pass --resume to continue from it, or use an empty directory for a fresh run")
+        return None
+    if not found:
+        return f"no complete checkpoint in {root}: starting at step 0"
+    step, step_dir = found[-1]
+    meta = read_metadata(step_dir)
+    check_model(step_dir, meta, job.model.to_dict())
+    stages = len(meta.get("plan", {}).get("stages", ()))
+    return f"resuming from {step_dir} (step {step}, written by a {stages}-stage plan)"
+
+
 def worker_args(job: JobConfig, plan: PlanSpec, options: TrainOptions, *, resume: bool = False) -> WorkerArgs:
     """What every worker of `plan` gets."""
     return WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps_of(job, options),
@@ -124,32 +154,3 @@ def worker_args(job: JobConfig, plan: PlanSpec, options: TrainOptions, *, resume
 def steps_of(job: JobConfig, options: TrainOptions) -> int:
     """`--steps`, else train.steps."""
     return options.steps if options.steps is not None else job.train.steps
-
-
-def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
-    """Run the training job (on this node's ranks with `options.node`); returns each local rank's
-    `WorkerResult` by plan rank."""
-    plan = choose_plan(job, options.plan_path)
-    check_runnable(plan)
-    # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
-    from heteroflow.data.builtin import open_train_data
-    open_train_data(job, work_dir=cache_dir() / "data")
-    from heteroflow.runtime.checkpoint import prepare_resume
-    resume_note = prepare_resume(job, resume=options.resume)
-    if resume_note:
-        print(f"heteroflow: {resume_note}", flush=True)
-    # The ranks on this machine (all of them, or this node's) put their swap files under one root.
-    swap_root = check_swap_space(job, plan, node=options.node)
-    try:
-        if options.node is not None or options.rdzv is not None:
-            from heteroflow.runtime.multinode import run_node
-            return run_node(job, plan, options)
-        if not options.emulate:
-            check_local_devices(job, plan)
-        args = worker_args(job, plan, options)
-        print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
-              f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {args.steps} steps", flush=True)
-        spec = LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir, max_restarts=options.max_restarts)
-        return launch(spec, run_worker, args)
-    finally:
-        sweep_swap(swap_root)  # swap directories of ranks killed before they could remove their own

@@ -4,7 +4,7 @@ Each node's agent
 1. meets the others at HOST:PORT (`rendezvous.meet`): the roster must be exactly the plan's nodes, each
    once, all with the same job fingerprint, else every node stops with the same error;
 2. starts its ranks through torch elastic's c10d rendezvous on the same store (`launch`), one worker
-   per device of the plan on this node, with the node's environment (`nodes.node_environment`); the
+   per device of the plan on this node, with the node's environment (`placement.node_environment`); the
    agents restart every worker after a failure up to `--max-restarts` times, resuming from the newest
    checkpoint;
 3. with `--replan-on-failure`, when the run has failed for good: meets the survivors; if nodes are
@@ -22,15 +22,16 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
+from heteroflow import __version__
 from heteroflow.backends.rankmap import RankMap
 from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
-from heteroflow.runtime.launch import LaunchSpec, TrainingFailed, launch
-from heteroflow.runtime.nodes import node_environment, node_ranks, plan_nodes
-from heteroflow.runtime.rendezvous import (MEETING_PREFIX, NodeEntry, check_roster, meet, open_store, parse_endpoint,
-                                           plan_fingerprint)
-from heteroflow.runtime.train import (TrainOptions, check_local_devices, check_runnable, search_plan_or_fail,
-                                      steps_of, worker_args)
+from heteroflow.launcher.launch import LaunchSpec, TrainingFailed, launch
+from heteroflow.launcher.placement import node_environment, node_ranks, plan_nodes
+from heteroflow.launcher.prepare import (TrainOptions, check_local_devices, check_runnable, search_plan_or_fail,
+                                         steps_of, worker_args)
+from heteroflow.launcher.rendezvous import (MEETING_PREFIX, NodeEntry, check_roster, meet, open_store,
+                                            parse_endpoint, plan_fingerprint)
 from heteroflow.runtime.worker import WorkerResult, run_worker
 
 
@@ -49,7 +50,6 @@ def replan(job: JobConfig, keep: list[str]) -> PlanSpec:
 
 def fingerprint(job: JobConfig, plan: PlanSpec, options: TrainOptions) -> str:
     """What every node must agree on: the job under this plan, the steps, emulation."""
-    from heteroflow import __version__
     return plan_fingerprint(job.with_plan(plan).to_dict(), steps=steps_of(job, options), emulate=options.emulate,
                             version=__version__)
 

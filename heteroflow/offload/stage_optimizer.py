@@ -1,50 +1,52 @@
-"""Offload inside the distributed runtime: a stage whose plan says `offload:` trains through `heteroflow.offload`.
+"""`OffloadedAdamW`: the optimizer of a stage whose plan offloads optimizer state or parameters.
 
 Per stage (`StageSpec.offload`):
 - `optimizer: cpu|ssd` or `params: cpu|ssd`: the stage's ranks use `OffloadedAdamW` instead of
-  `DataParallelAdamW`. It has the same interface (`reduce_grads`, `grad_sq_norm_share`, `step`,
-  `zero_grad`), so the worker's loop, the tied-embedding sync and the global clipping stay as they are:
-  `StageOffload` underneath keeps the fp32 master weights and Adam moments in the optimizer tier and,
-  with `params` off the device, fetches each Transformer block's parameters ahead of use and releases
-  them after (embedding, final norm and head stay on the device: they are used at the two ends only);
+  `DataParallelAdamW`. Both are a `heteroflow.optim.StageOptimizer` (`reduce_grads`, `grad_sq_norm_share`,
+  `step`, `zero_grad`, the checkpoint calls), so the worker's loop, the tied-embedding sync and the global
+  clipping stay as they are: `StageOffload` underneath keeps the fp32 master weights and Adam moments in
+  the optimizer tier and, with `params` off the device, fetches each Transformer block's parameters ahead
+  of use and releases them after (embedding, final norm and head stay on the device: they are used at the
+  two ends only);
 - `activations: cpu`: the saved activations of the stage's forward (with `recompute: full`, exactly the
-  checkpointed block inputs) live in host memory (`StageRuntime.activation_context`); alone, it keeps
-  `DataParallelAdamW` (and ZeRO).
+  checkpointed block inputs) live in host memory (the runtime's pipeline wraps the forward in
+  `heteroflow.offload.activations.activation_context`); alone, it keeps `DataParallelAdamW` (and ZeRO).
 
 Gradient arithmetic is the same as `DataParallelAdamW`'s: partial gradients summed over tp, micro-batch
 gradients accumulated in fp32 (here on the host, block by block as the backward produces them), then
 summed over the stage's dp group, counted once in the global norm (tp-replicated values on tp rank 0,
 dp replicas on dp rank 0, the head copy of a tied embedding on the first stage), AdamW with decay on
-matrices only. In fp32 with `HETEROFLOW_CPU_ADAM=torch` a plan trains bit for bit as without offload;
-with DeepSpeedCPUAdam within 1e-6 relative.
+matrices only (`heteroflow.optim.adamw_step` under both). In fp32 with `HETEROFLOW_CPU_ADAM=torch` a plan
+trains bit for bit as without offload; with DeepSpeedCPUAdam within 1e-6 relative.
 
 Checkpoints (`heteroflow.checkpoint.stage_state`) see the same data as with `DataParallelAdamW`: the
 parameter values (offloaded blocks read back from their tier) and the fp32 master weights and moments,
 chunk by chunk from the optimizer tier, in the layout-independent format; loading writes them back into
 the tiers. So a run can resume with or without offload, under any plan.
 
-Not run (refused with a `UserError` naming the stage): ZeRO (`zero > 0`) together with an offloaded
-optimizer or offloaded parameters (the offloaded state is not sharded over dp; it has left the device
-anyway), and `params` offload with tp > 1 (blocks are fetched as whole, unsharded parameters).
+Not run (refused with a `UserError` naming the stage, before launch by `check_offload_plan` and again when
+the optimizer is built): ZeRO (`zero > 0`) together with an offloaded optimizer or offloaded parameters
+(the offloaded state is not sharded over dp; it has left the device anyway), and `params` offload with
+tp > 1 (blocks are fetched as whole, unsharded parameters).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from heteroflow.config import JobConfig, PlanSpec, StageSpec
+from heteroflow.config import PlanSpec, StageSpec
+from heteroflow.devices import Device
 from heteroflow.errors import UserError
-from heteroflow.runtime.offload_swap import checkpoint_dirs
-
-if TYPE_CHECKING:
-    from heteroflow.devices.facade import Device
-    from heteroflow.models.llama import StageModel
-    from heteroflow.offload.policy import OffloadPolicy
-    from heteroflow.runtime.stage import StageRuntime
+from heteroflow.layout.shards import counted_once
+from heteroflow.models.data_parallel import all_reduce_partial_grads
+from heteroflow.models.llama import StageModel
+from heteroflow.models.shard import set_shard, shard_of
+from heteroflow.offload.policy import OffloadPolicy
+from heteroflow.offload.stage import StageOffload
+from heteroflow.optim import StateView
 
 _HOST_REDUCE_CHUNK_NUMEL = 1 << 24
 """fp32 elements per device round trip when a host gradient is summed over a dp group without CPU support."""
@@ -74,16 +76,9 @@ def check_offload_stage(k: int, stage: StageSpec) -> None:
                         "with dp instead, or keep params on the device and offload only the optimizer")
 
 
-def stage_policy(job: JobConfig, stage: StageSpec) -> OffloadPolicy:
-    """The offload policy of every rank of `stage`: its tiers, its device budget and the swap root."""
-    from heteroflow.offload.policy import OffloadPolicy
-    from heteroflow.runtime.offload_swap import swap_root
-
-    return OffloadPolicy.from_stage(stage, cluster=job.cluster, swap_root=swap_root(job))
-
-
 class OffloadedAdamW:
-    """AdamW of one rank of a stage with offloaded optimizer state and/or parameters; see the module docstring.
+    """AdamW of one rank of a stage with offloaded optimizer state and/or parameters (a
+    `heteroflow.optim.StageOptimizer`); see the module docstring.
 
     Build it on a model whose values are initialized (or loaded). With `params` offloaded, build the model
     on the CPU: the blocks go to their tier from there and only the embedding, final norm and head are
@@ -96,9 +91,6 @@ class OffloadedAdamW:
     def __init__(self, model: StageModel, *, policy: OffloadPolicy, device: Device, dp_group: dist.ProcessGroup | None,
                  tp_group: dist.ProcessGroup | None, betas: tuple[float, float], eps: float, weight_decay: float,
                  checkpoint_dirs: list[str] = ()) -> None:
-        from heteroflow.models.shard import set_shard, shard_of
-        from heteroflow.offload.stage import StageOffload
-
         self.model, self.policy, self.device = model, policy, device
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
@@ -115,7 +107,9 @@ class OffloadedAdamW:
         self._counted: list[tuple[str, int]] = []
         rest_index = {id(p): j for j, p in enumerate(rest)}
         for name, p in model.named_parameters():
-            if name in head_copy or (shard_of(p).dim is None and tp_rank != 0):
+            # dp replicas: every dp rank holds the same summed gradient, counted on dp rank 0 (no ZeRO here)
+            if not counted_once(split_over_tp=shard_of(p).dim is not None, tp_rank=tp_rank, dp_rank=self.dp_rank,
+                                tied_head_copy=name in head_copy):
                 continue
             self._counted.append((f"block{in_block[id(p)][0]}", in_block[id(p)][1]) if id(p) in in_block
                                  else ("rest", rest_index[id(p)]))
@@ -126,17 +120,7 @@ class OffloadedAdamW:
             for p in rest:  # built on the host with the blocks (now in their tier); this part lives on the device
                 p.data = p.data.to(device.torch_device)
 
-    @classmethod
-    def for_stage(cls, model: StageModel, *, job: JobConfig, stage: StageSpec, stage_index: int, groups,
-                  device: Device) -> OffloadedAdamW:
-        """The optimizer of this rank of plan stage `stage_index` (refuses what `check_offload_plan` refuses)."""
-        check_offload_stage(stage_index, stage)
-        t = job.train
-        return cls(model, policy=stage_policy(job, stage), device=device, dp_group=groups.dp, tp_group=groups.tp,
-                   betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
-                   checkpoint_dirs=checkpoint_dirs(job))
-
-    # ---- the DataParallelAdamW interface -------------------------------------------------------
+    # ---- the StageOptimizer interface ----------------------------------------------------------
 
     @property
     def steps(self) -> int:
@@ -150,8 +134,6 @@ class OffloadedAdamW:
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum partial grads over tp, take the device gradients into the optimizer tier, sum over dp."""
-        from heteroflow.models.data_parallel import all_reduce_partial_grads
-
         all_reduce_partial_grads(self.model, self.tp_group)
         self.offload.collect_grads()
         if self.dp > 1:
@@ -179,8 +161,6 @@ class OffloadedAdamW:
     def grad_sq_norm_share(self) -> torch.Tensor:
         """This rank's part of the global squared gradient norm (each value counted once over the world)."""
         total = torch.zeros((), dtype=torch.float32)
-        if self.dp_rank != 0:
-            return total  # every dp rank holds the same summed gradient: count it on one
         views = {}
         for group, index in self._counted:
             if group not in views:
@@ -200,7 +180,7 @@ class OffloadedAdamW:
         for p in self.model.parameters():
             p.grad = None
 
-    # ---- checkpoints (the protocol of heteroflow.checkpoint.stage_state) --------------------------
+    # ---- checkpoints (heteroflow.checkpoint.stage_state) ---------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, current value)` of every parameter, offloaded blocks read back from their tier (host copies)."""
@@ -214,7 +194,7 @@ class OffloadedAdamW:
             yield name, gathered.get(id(p), p)
 
     @torch.no_grad()
-    def load_weights(self, values: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, values: Mapping[str, torch.Tensor]) -> None:
         """Set every parameter to `values[name]`: device-resident ones in place, offloaded blocks in their tier."""
         params = self.offload.params
         offloaded = {id(p) for block in params.params for p in block} if params is not None else set()
@@ -229,7 +209,7 @@ class OffloadedAdamW:
                 flat = torch.cat([values[names[id(p)]].reshape(-1) for p in block])
                 store.write_slice(chunk, 0, flat.to(store.layout(chunk).dtype))
 
-    def state_views(self, *, writable: bool = False):
+    def state_views(self, *, writable: bool = False) -> Iterator[StateView]:
         """The fp32 master weights and moments, per parameter and chunk (`StreamedAdamW.state_views`)."""
         return self.offload.optimizer.state_views(writable=writable)
 
@@ -254,24 +234,3 @@ class OffloadedAdamW:
     def close(self) -> None:
         """Free the stores and delete the swap files (idempotent)."""
         self.offload.close()
-
-
-# ---- what the worker and the pipeline call, with a `StageRuntime` ------------------------------------
-
-
-def activation_context(rt: StageRuntime) -> contextlib.AbstractContextManager:
-    """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier."""
-    from heteroflow.offload.activations import activation_context as tier_context
-
-    return tier_context(rt.stage.layout.offload.activations, rt.device)
-
-
-def offload_report(rt: StageRuntime) -> dict | None:
-    """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
-    return rt.optimizer.report() if isinstance(rt.optimizer, OffloadedAdamW) else None
-
-
-def close_offload(rt: StageRuntime) -> None:
-    """Free the offload stores and delete the swap files (idempotent; call also when the step failed)."""
-    if isinstance(rt.optimizer, OffloadedAdamW):
-        rt.optimizer.close()

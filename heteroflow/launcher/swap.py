@@ -2,8 +2,9 @@
 
 Each rank makes its own scratch directory under one swap root (`train.offload_dir`, else
 `$HETEROFLOW_SWAP_DIR`, else the system temp directory) and removes it when it exits, fails or gets
-SIGTERM (`heteroflow.offload.swap.SwapDir`). Here, `heteroflow train` checks before launch that the disk
-holds every local rank's swap files, and sweeps after the ranks have exited what a SIGKILL left behind.
+SIGTERM (`heteroflow.offload.swap.SwapDir`; the root: `heteroflow.runtime.offload_setup.swap_root`).
+Here, `heteroflow train` checks before launch that the disk holds every local rank's swap files, and
+sweeps after the ranks have exited what a SIGKILL left behind.
 """
 
 from __future__ import annotations
@@ -16,26 +17,16 @@ import torch
 
 from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
-
-
-def checkpoint_dirs(job: JobConfig) -> list[str]:
-    """Directories swap files must stay out of."""
-    return [job.resolve_path(job.train.checkpoint.dir)] if job.train.checkpoint else []
-
-
-def swap_root(job: JobConfig) -> str:
-    """The directory under which SSD-tier ranks make their swap directories."""
-    from heteroflow.offload.policy import default_swap_root
-
-    return default_swap_root(job.resolve_path(job.train.offload_dir) if job.train.offload_dir else None)
+from heteroflow.layout.shards import replicates_kv_heads
+from heteroflow.models.llama import build_stage_model
+from heteroflow.offload.policy import OffloadPolicy
+from heteroflow.offload.swap import DEFAULT_HEADROOM_BYTES, check_not_checkpoint, sweep_stale
+from heteroflow.runtime.offload_setup import checkpoint_dirs, swap_root
 
 
 def swap_bytes(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> int:
     """Swap file bytes the ranks of `plan` write together (an upper bound, alignment included): every
     rank's, or those of the ranks on node `node`."""
-    from heteroflow.models.llama import build_stage_model
-    from heteroflow.offload.policy import OffloadPolicy
-
     total = 0
     for k, (stage, (first, last)) in enumerate(zip(plan.stages, plan.layer_ranges())):
         off = stage.layout.offload
@@ -45,11 +36,11 @@ def swap_bytes(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> in
             model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                       is_last=k == len(plan.stages) - 1)
         chunk = OffloadPolicy.__dataclass_fields__["chunk_numel"].default
-        replicated_kv = stage.layout.tp > job.model.num_kv_heads
+        tp, replicated_kv = stage.layout.tp, replicates_kv_heads(job.model, stage.layout.tp)
         numel = 0  # on one rank: matrices split over tp (one extra row or column for an uneven vocabulary)
         for name, p in model.named_parameters():
-            whole = stage.layout.tp == 1 or p.dim() < 2 or (replicated_kv and name.endswith(("wk.weight", "wv.weight")))
-            numel += p.numel() if whole else -(-p.numel() // stage.layout.tp) + max(p.shape)
+            whole = tp == 1 or p.dim() < 2 or (replicated_kv and name.endswith(("wk.weight", "wv.weight")))
+            numel += p.numel() if whole else -(-p.numel() // tp) + max(p.shape)
         block_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
         per_rank = 0
         if off.optimizer == "ssd":  # fp32 master + 2 moments per chunk, each chunk file aligned
@@ -65,8 +56,6 @@ def check_swap_space(job: JobConfig, plan: PlanSpec, *, node: str | None = None)
     """Before launch: the swap root is outside any checkpoint and its disk has room for the swap files of
     the ranks on this machine (all of the plan's, or node `node`'s); returns the root (None when none of
     them uses the SSD tier)."""
-    from heteroflow.offload.swap import DEFAULT_HEADROOM_BYTES, check_not_checkpoint
-
     needed = swap_bytes(job, plan, node=node)
     if not needed:
         return None
@@ -88,7 +77,5 @@ def check_swap_space(job: JobConfig, plan: PlanSpec, *, node: str | None = None)
 
 def sweep_swap(root: str | None) -> None:
     """After the ranks have exited: remove swap directories left by ranks that were killed (SIGKILL)."""
-    from heteroflow.offload.swap import sweep_stale
-
     if root is not None and os.path.isdir(root):
         sweep_stale(Path(root))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from heteroflow.errors import UserError
+from heteroflow.stagemap.hardware import threads_per_process
 
 
 class TrainingFailed(Exception):
@@ -46,7 +47,8 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     """HOST:PORT of the rendezvous; a free local port when None (single node)."""
     threads_per_process: int | None = None
-    """torch threads per worker; None splits this machine's cores between the workers."""
+    """torch threads per worker; None splits this machine's cores between the workers (the rule the planner
+    prices emulated runs with: `stagemap.hardware.threads_per_process`)."""
     num_nodes: int = 1
     """Nodes in the run (min = max: a fixed set); every node launches its own workers."""
     run_id: str | None = None
@@ -61,12 +63,6 @@ class LaunchSpec:
     """Plan rank of each local rank; None when elastic's numbering is the plan's (one node)."""
     tee_local_rank: int | None = 0
     """The local rank whose output is also shown live; None shows none."""
-
-
-def threads_per_process(cores: int, processes: int) -> int:
-    """Default torch threads of each of `processes` workers on `cores` cores: an even split, at least one.
-    (`stagemap.hardware.threads_per_process` prices emulated runs with the same rule.)"""
-    return max(1, cores // max(1, processes))
 
 
 def free_port() -> int:
