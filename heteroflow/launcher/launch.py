@@ -14,6 +14,7 @@ workers by node rank (the order nodes joined) then local rank, which need not be
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from heteroflow.errors import UserError
+from heteroflow.runtime.user_errors import ENV_ERROR_DIR, error_dir, read_user_errors, user_error_message
 from heteroflow.stagemap.hardware import threads_per_process
 
 
@@ -102,11 +104,14 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
     # agent store keeps the keys of a failed attempt, which the restarted workers then read
     # (pytorch/pytorch#135712): use a fresh store per rendezvous round, hosted by worker 0.
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **spec.env}
-    with worker_environment(env):
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", ENV_ERROR_DIR: str(error_dir(log_dir)), **spec.env}
+    with worker_environment(env), quiet_elastic_logs():
         try:
             results = elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as error:
+            user_errors = read_user_errors(error_dir(log_dir))
+            if user_errors:  # something the user can fix: one clear message, not the workers' tracebacks
+                raise UserError(f"{user_error_message(user_errors)}\n(all rank logs: {log_dir})") from None
             raise TrainingFailed(describe_failure(error, log_dir, rank_order=order)) from None
         except RendezvousError as error:
             raise RendezvousFailed(f"the nodes did not meet at {config.rdzv_endpoint} within {timeout} s "
@@ -130,6 +135,27 @@ def worker_environment(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def quiet_elastic_logs() -> Iterator[None]:
+    """Keep torch elastic's own log records (a failed worker's traceback, "terminating process") off the
+    user's terminal: the launcher reports failures itself, from the workers' error files and logs, which
+    stay in the run's log directory. `LOGLEVEL` set by the user (elastic's own switch) keeps them."""
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith(prefixes)]
+    saved = [(logger, logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
 
 
 def describe_failure(error: Any, log_dir: str, *, rank_order: tuple[int, ...] | None = None) -> str:

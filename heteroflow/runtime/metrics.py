@@ -24,8 +24,10 @@ class StepRecord:
     predicted_step_time_s: float | None = None
 
     def to_json(self) -> str:
-        """One JSONL line."""
-        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+        """One JSONL line (strict JSON: a non-finite figure is written as null)."""
+        fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                  for k, v in asdict(self).items() if v is not None}
+        return json.dumps(fields, allow_nan=False)
 
 
 class MetricsWriter:

@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from heteroflow.config import JobConfig, PlanSpec
+from heteroflow.errors import UserError
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord
-from heteroflow.runtime.nodes import join_node_world, node_view, restarted_anywhere
+from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
+from heteroflow.runtime.user_errors import TrainingDiverged, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
 
@@ -51,7 +53,17 @@ class WorkerResult:
 
 
 def run_worker(args: WorkerArgs) -> WorkerResult:
-    """Train on this rank; every rank of the plan runs it at once."""
+    """Train on this rank; every rank of the plan runs it at once. A `UserError` is also left for the launcher
+    (`runtime.user_errors`), which shows it as one message instead of the workers' tracebacks."""
+    try:
+        return _run_worker(args)
+    except UserError as error:
+        rank = assigned_rank()
+        record_user_error(error, rank if rank is not None else int(os.environ.get("RANK", "0")))
+        raise
+
+
+def _run_worker(args: WorkerArgs) -> WorkerResult:
     from heteroflow.backends import RankMap, build_process_groups, init_world
     from heteroflow.devices.facade import Device
     from heteroflow.runtime.stage import build_stage_runtime
@@ -139,12 +151,14 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                                   loss_sum if counts_loss else torch.zeros(())])
             dist.all_reduce(totals, group=groups.world)
             grad_norm = math.sqrt(float(totals[0]))
+            loss = float(totals[1]) / global_tokens
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank knows both: all stop together
+                raise TrainingDiverged(_divergence_message(step, first_step, loss=loss, grad_norm=grad_norm))
             clip = min(1.0, train.grad_clip / (grad_norm + 1e-6)) if train.grad_clip > 0 else 1.0
             rt.optimizer.step(lr=learning_rate(step, train), grad_scale=clip)
             rt.optimizer.zero_grad()
             device.synchronize()
             step_time = time.perf_counter() - started
-            loss = float(totals[1]) / global_tokens
             losses.append(loss)
             if rank == 0:
                 record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
@@ -153,11 +167,23 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                 writer.write(record)
                 if progress is not None:
                     progress.update(record)
-            if not math.isfinite(loss):  # every rank knows the loss: all stop together
-                raise FloatingPointError(f"loss became {loss} at step {step}; lower train.lr or check the data")
             checkpoints.after_step(step)
     finally:
         watchdog.stop()
         if writer is not None:
             writer.close()
     return first_step, losses
+
+
+def _divergence_message(step: int, first_step: int, *, loss: float, grad_norm: float) -> str:
+    """Why training stopped at `step`, and what to look at: before any update of this run the learning rate
+    cannot be the cause, so the message points at the model, the weights and the data instead."""
+    what = f"the loss is {loss} and the gradient norm {grad_norm} at step {step}"
+    if step == first_step:
+        cause = ("before any update of this run, so the learning rate is not the cause: check the model settings "
+                 "(rope_theta, norm_eps, sizes), the weights it starts from (train.init_from or the checkpoint) "
+                 "and the training data")
+    else:
+        cause = "lower train.lr, raise train.warmup_steps or set train.grad_clip"
+    return (f"training diverged: {what}; that step was not applied and no checkpoint was written after it. "
+            f"Cause: {cause}.")
