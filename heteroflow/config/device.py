@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from heteroflow.layout import PRECISIONS
+
+__all__ = ["PRECISIONS", "VENDORS", "DeviceSpec"]
+
 VENDORS = ("nvidia", "amd", "hygon", "ascend", "cpu")
-PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

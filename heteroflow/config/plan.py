@@ -15,7 +15,8 @@ from heteroflow.config.model import ModelSpec
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.train import TrainSpec
 from heteroflow.errors import did_you_mean
-from heteroflow.layout import ACTIVATION_TIERS, RECOMPUTE, SCHEDULES, STATE_TIERS, OffloadSpec, ParallelLayout
+from heteroflow.layout import (ACTIVATION_TIERS, PRECISIONS, RECOMPUTE, SCHEDULES, STATE_TIERS, OffloadSpec,
+                               ParallelLayout)
 
 PLAN_VERSION = 1
 _DEVICE_RANGE = re.compile(r"^(?P<node>[^:]+?)(?::(?P<first>\d+)(?:-(?P<last>\d+))?)?$")
@@ -184,6 +185,7 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
                               params=off_sec.string("params", "device", choices=STATE_TIERS) or "device",
                               activations=off_sec.string("activations", "device", choices=ACTIVATION_TIERS) or "device")
         off_sec.finish()
+    precision = sec.string("precision", None, choices=PRECISIONS)
     written_type = sec.string("device_type", None)
     sec.finish()
 
@@ -202,10 +204,11 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
             device_type = types[0]
             if written_type is not None and written_type != device_type:
                 problems.add(sec.at("device_type"), f"says {written_type!r} but its devices are {device_type!r}")
-            _check_precision(cluster, device_type, train, sec, problems)
+            _check_precision(cluster, device_type, precision, train, sec, problems)
     layout = None
     if None not in (tp, dp, cp, sp, zero, recompute):
-        layout = ParallelLayout(tp=tp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, offload=offload)
+        layout = ParallelLayout(tp=tp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, offload=offload,
+                                precision=precision)
         for problem in layout.validate(model, num_devices=None if refs is None else len(refs),
                                        micro_batch_size=micro_batch_size):
             problems.add(sec.at(problem.key), problem.message)
@@ -222,11 +225,18 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
                      layout=layout)
 
 
-def _check_precision(cluster: ClusterSpec, device_type: str, train: TrainSpec, sec: Section,
+def _check_precision(cluster: ClusterSpec, device_type: str, precision: str | None, train: TrainSpec, sec: Section,
                      problems: Problems) -> None:
-    """A stage cannot train in a precision its devices lack (Ascend 910A has no bf16)."""
+    """A stage cannot train in a precision its devices lack (Ascend 910A has no bf16): its own `precision`, or
+    the job's `train.precision` when it sets none."""
     spec = cluster.device_types[device_type]
-    if train.precision != "fp32" and spec.peak_tflops(train.precision) is None:
-        supported = [p for p in ("bf16", "fp16") if spec.peak_tflops(p) is not None]
-        problems.add(sec.at("devices"), f"{device_type} does not support {train.precision}; set train.precision "
-                     f"to {' or '.join(supported) or 'fp32'} or move this stage to other devices")
+    wanted = precision or train.precision
+    if wanted == "fp32" or spec.peak_tflops(wanted) is not None:
+        return
+    supported = " or ".join([p for p in ("bf16", "fp16") if spec.peak_tflops(p) is not None] + ["fp32"])
+    if precision is not None:
+        problems.add(sec.at("precision"), f"{device_type} does not support {wanted}; set this stage's precision to "
+                     f"{supported}, or move the stage to other devices")
+    else:
+        problems.add(sec.at("devices"), f"{device_type} does not support {wanted} (train.precision); set this "
+                     f"stage's precision (or train.precision) to {supported}, or move this stage to other devices")

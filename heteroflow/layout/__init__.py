@@ -5,14 +5,14 @@
 - `schedule`: the pipeline schedules as per-stage action lists.
 """
 
-from heteroflow.layout.parallel import (ACTIVATION_TIERS, RECOMPUTE, STATE_TIERS, ZERO_STAGES, LayoutProblem,
+from heteroflow.layout.parallel import (ACTIVATION_TIERS, PRECISIONS, RECOMPUTE, STATE_TIERS, ZERO_STAGES, LayoutProblem,
                                         ModelShape, OffloadSpec, ParallelLayout, tp_problems, tp_valid)
 from heteroflow.layout.schedule import SCHEDULES, Action, in_flight, max_in_flight, stage_actions
 from heteroflow.layout.shards import (counted_once, embedding_params_per_rank, head_params_per_rank, heads_per_rank,
                                       kv_heads_per_rank, layer_params_per_rank, replicates_kv_heads)
 
 __all__ = [
-    "ACTIVATION_TIERS", "RECOMPUTE", "SCHEDULES", "STATE_TIERS", "ZERO_STAGES", "Action", "LayoutProblem",
+    "ACTIVATION_TIERS", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "STATE_TIERS", "ZERO_STAGES", "Action", "LayoutProblem",
     "ModelShape", "OffloadSpec", "ParallelLayout", "counted_once", "embedding_params_per_rank",
     "head_params_per_rank", "heads_per_rank", "in_flight", "kv_heads_per_rank", "layer_params_per_rank",
     "max_in_flight", "replicates_kv_heads", "stage_actions", "tp_problems", "tp_valid",

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 STATE_TIERS = ("device", "cpu", "ssd")
 ACTIVATION_TIERS = ("device", "cpu")
@@ -84,11 +85,17 @@ class ParallelLayout:
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (whole block)."""
     offload: OffloadSpec = field(default_factory=OffloadSpec)
+    precision: str | None = None
+    """The stage's compute precision (bf16, fp16 or fp32); None: the job's `train.precision`."""
 
     @property
     def num_devices(self) -> int:
         """Devices (ranks) the layout spans."""
         return self.tp * self.cp * self.dp
+
+    def compute_precision(self, default: str) -> str:
+        """The precision the stage computes in: its own, or `default` (the job's) when it sets none."""
+        return self.precision or default
 
     def validate(self, model: ModelShape, *, num_devices: int | None = None,
                  micro_batch_size: int | None = None) -> list[LayoutProblem]:
@@ -115,6 +122,9 @@ class ParallelLayout:
         if self.recompute not in RECOMPUTE:
             problems.append(LayoutProblem("recompute", f"recompute must be one of {', '.join(RECOMPUTE)}, "
                                           f"got {self.recompute!r}"))
+        if self.precision is not None and self.precision not in PRECISIONS:
+            problems.append(LayoutProblem("precision", f"precision must be one of {', '.join(PRECISIONS)}, "
+                                          f"got {self.precision!r}"))
         for key, tiers in (("optimizer", STATE_TIERS), ("params", STATE_TIERS), ("activations", ACTIVATION_TIERS)):
             if getattr(self.offload, key) not in tiers:
                 problems.append(LayoutProblem("offload", f"offload.{key} must be one of {', '.join(tiers)}, "
@@ -134,6 +144,8 @@ class ParallelLayout:
             out["recompute"] = self.recompute
         if self.offload.any:
             out["offload"] = self.offload.to_dict()
+        if self.precision is not None:
+            out["precision"] = self.precision
         return out
 
     def describe(self) -> str:
@@ -149,6 +161,8 @@ class ParallelLayout:
             parts.append(f"rc={self.recompute}")
         if self.offload.any:
             parts.append("off=" + ",".join(f"{k[:3]}:{v}" for k, v in self.offload.to_dict().items()))
+        if self.precision is not None:
+            parts.append(self.precision)
         return " ".join(parts)
 
 

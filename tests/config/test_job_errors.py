@@ -192,8 +192,22 @@ def test_precision_the_device_lacks():
     data["cluster"]["nodes"][1]["device"] = "ascend-910a"
     data["plan"] = copy.deepcopy(GOOD["plan"])
     found = problems(data)
-    assert any(p.startswith("plan.stages[1].devices: ascend-910a does not support bf16; set train.precision to fp16")
-               for p in found), found
+    assert any(p.startswith("plan.stages[1].devices: ascend-910a does not support bf16 (train.precision); set this "
+                            "stage's precision (or train.precision) to fp16") for p in found), found
+
+
+def test_a_stage_precision_the_device_lacks_names_the_stage():
+    data = edited(plan="auto")
+    data["cluster"]["nodes"][1]["device"] = "ascend-910a"
+    data["plan"] = copy.deepcopy(GOOD["plan"])
+    data["train"]["precision"] = "fp16"
+    data["plan"]["stages"][1]["precision"] = "bf16"
+    found = problems(data)
+    assert any(p.startswith("plan.stages[1].precision: ascend-910a does not support bf16; set this stage's precision "
+                            "to fp16 or fp32") for p in found), found
+    data["plan"]["stages"][1]["precision"] = "fp16"
+    data["plan"]["stages"][0]["precision"] = "fp32"
+    assert not problems(data)
 
 
 def test_every_problem_reported_not_just_the_first():

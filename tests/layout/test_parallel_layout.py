@@ -44,6 +44,7 @@ def test_out_of_range_values_are_problems_not_crashes():
     assert _keys(ParallelLayout(zero=4)) == ["zero"]
     assert _keys(ParallelLayout(recompute="most")) == ["recompute"]
     assert _keys(ParallelLayout(offload=OffloadSpec(activations="ssd"))) == ["offload"]
+    assert _keys(ParallelLayout(precision="fp8")) == ["precision"]
 
 
 def test_kv_heads_per_rank_split_or_replicated():
@@ -77,6 +78,9 @@ def test_describe_and_plan_keys():
     assert lay.to_dict() == {"tp": 4, "dp": 2, "sp": True, "zero": 1, "recompute": "full",
                              "offload": {"optimizer": "cpu"}}
     assert ParallelLayout().to_dict() == {"tp": 1, "dp": 1}
+    assert ParallelLayout(precision="fp16").to_dict() == {"tp": 1, "dp": 1, "precision": "fp16"}
+    assert ParallelLayout(precision="fp16").compute_precision("bf16") == "fp16"
+    assert ParallelLayout().compute_precision("bf16") == "bf16"
 
 
 def test_the_layout_core_imports_no_torch():
