@@ -88,17 +88,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from heteroflow.config import load_job
     from heteroflow.runtime.launch import TrainingFailed
     from heteroflow.runtime.train import TrainOptions, train_job
-    if args.steps is not None and args.steps < 1:
-        raise UserError(f"--steps must be at least 1, got {args.steps}")
     if (args.node is None) != (args.rdzv is None):
         raise UserError("a multi-node run needs both --node NAME and --rdzv HOST:PORT (on every node)")
     if args.replan_on_failure and args.node is None:
         raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
-    for flag, value, minimum in (("--max-restarts", args.max_restarts, 0), ("--timeout", args.timeout, 1),
-                                 ("--join-timeout", args.join_timeout, 1),
-                                 ("--rejoin-timeout", args.rejoin_timeout, 1)):
-        if value is not None and value < minimum:
-            raise UserError(f"{flag} must be at least {minimum}, got {value:g}")
     job = load_job(args.job)
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
                            log_dir=args.log_dir, timeout_s=args.timeout, max_restarts=args.max_restarts,
@@ -225,10 +218,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_FLAG_LIMITS = {  # argparse dest -> the flag as written, and the name of its range in heteroflow.config.limits
+    "steps": ("--steps", "STEPS"), "timeout": ("--timeout", "TIMEOUT_S"),
+    "join_timeout": ("--join-timeout", "TIMEOUT_S"), "rejoin_timeout": ("--rejoin-timeout", "TIMEOUT_S"),
+    "max_restarts": ("--max-restarts", "MAX_RESTARTS"), "nnodes": ("--nnodes", "NUM_NODES"),
+    "nproc_per_node": ("--nproc-per-node", "DEVICES_PER_NODE"), "vocab_size": ("--vocab-size", "VOCAB_SIZE"),
+    "max_micro_batch_size": ("--max-micro-batch-size", "MICRO_BATCH_SIZE"),
+}
+
+
+def check_number_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag given is finite and in its range (`heteroflow.config.limits`), else one
+    `--flag: message` line each, before any work."""
+    from heteroflow.config import limits
+    from heteroflow.errors import Problem
+    problems = []
+    for dest, (flag, limit_name) in _FLAG_LIMITS.items():
+        value = getattr(args, dest, None)
+        message = None if value is None else getattr(limits, limit_name).problem(value)
+        if message is not None:
+            problems.append(Problem(flag, message))
+    if problems:
+        raise ConfigError(problems)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `heteroflow` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        check_number_flags(args)
         return args.run(args)
     except ConfigError as error:
         from heteroflow.config.job import format_config_error
