@@ -20,6 +20,7 @@ import yaml
 
 from heteroflow.config import ClusterSpec, JobConfig, parse_cluster, parse_job, read_yaml
 from heteroflow.config.reader import Problems
+from heteroflow.config.yamlfile import read_text_file
 from heteroflow.errors import ConfigError, UserError
 from heteroflow.layout import ParallelLayout
 from heteroflow.megatron.args import MegatronArgs, parse_argv
@@ -148,15 +149,6 @@ def _source_kind(path: Path, data: object) -> str:
     return "megatron-yaml"
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read: {exc}") from None
-
-
 @dataclass
 class _Source:
     """What reading the source produced, before mapping."""
@@ -175,7 +167,7 @@ class _Source:
 
 
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
-    text = _read_text(path)
+    text = read_text_file(path)
     try:
         run = run_script(text, args=options.script_args, env=options.env, script_name=str(path))
         launch = find_launch(run.commands)
