@@ -11,7 +11,9 @@ import sys
 from typing import Callable, Sequence
 
 from heteroflow import __version__
-from heteroflow.errors import ConfigError, UserError
+from heteroflow.config import limits
+from heteroflow.config.paths import DIR, EXISTING_DIR, FILE_IN_NEW_DIR, Output, check_output_paths, job_outputs
+from heteroflow.errors import ConfigError, Problem, UserError
 
 
 def _print_json(data: object) -> None:
@@ -73,6 +75,7 @@ def cmd_import_megatron(args: argparse.Namespace) -> int:
     if args.compare and args.json:
         raise UserError("--compare prints a table; drop --json (or run `heteroflow plan JOB --json` and "
                         "`heteroflow plan JOB --evaluate --json` on the imported job)")
+    check_output_paths(Output("-o", args.output), Output("--plan-out", args.plan_out))
     result = run_import_megatron(args)
     status = emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
     if args.compare:
@@ -93,6 +96,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.replan_on_failure and args.node is None:
         raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
     job = load_job(args.job)
+    check_output_paths(Output("--metrics", args.metrics, FILE_IN_NEW_DIR), Output("--log-dir", args.log_dir, DIR),
+                       *job_outputs(job))
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
                            log_dir=args.log_dir, timeout_s=args.timeout, max_restarts=args.max_restarts,
                            node=args.node, rdzv=args.rdzv, join_timeout_s=args.join_timeout,
@@ -117,6 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search the best plan for a job, or estimate a given one."""
     from heteroflow.stagemap.commands import plan_command
+    check_output_paths(Output("-o", args.output), Output("--gantt", args.gantt))
     return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
                         evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
                         max_micro_batch_size=args.max_micro_batch_size, all_layouts=args.all_layouts)
@@ -125,6 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure this machine's devices, links and disk for the cost model."""
     from heteroflow.stagemap.commands import profile_command
+    check_output_paths(Output("-o", args.output), Output("--disk-dir", args.disk_dir, EXISTING_DIR))
     return profile_command(output=args.output, quick=args.quick, device_type=args.device_type,
                            disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
 
@@ -230,8 +237,6 @@ _FLAG_LIMITS = {  # argparse dest -> the flag as written, and the name of its ra
 def check_number_flags(args: argparse.Namespace) -> None:
     """Every numeric flag given is finite and in its range (`heteroflow.config.limits`), else one
     `--flag: message` line each, before any work."""
-    from heteroflow.config import limits
-    from heteroflow.errors import Problem
     problems = []
     for dest, (flag, limit_name) in _FLAG_LIMITS.items():
         value = getattr(args, dest, None)
