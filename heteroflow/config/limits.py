@@ -123,8 +123,18 @@ ADAM_EPS = positive(1.0)
 """`train.adam_eps`."""
 
 # --- plan --------------------------------------------------------------------------------------------
-PLAN_VERSION = integers(1, 1_000_000)
-"""`plan.version` (a newer version than this heteroflow's is reported on its own)."""
+FILE_VERSION = integers(1, 1_000_000)
+"""`plan.version`, `profile.version` (a version newer than this heteroflow's is reported on its own)."""
+
+# --- profile (measured figures, `heteroflow profile`) -------------------------------------------------
+MEASURED_GB_PER_S = Range(0.0, MEMORY_GB_PER_S.maximum)
+"""Measured bandwidths in GB/s (0: not measured)."""
+MEASURED_S = Range(0.0, 86_400.0)
+"""Measured latencies and overheads in seconds."""
+MEASURED_GIB = Range(0.0, MEMORY_GIB.maximum)
+"""Measured memory sizes in GiB (0: not measured)."""
+CPU_CORES = integers(1, 1 << 20)
+"""`profile.host.cpu_cores`."""
 
 # --- command-line flags ------------------------------------------------------------------------------
 TIMEOUT_S = Range(1.0, 30 * 86_400.0)

@@ -132,7 +132,7 @@ def parse_plan(data: object, problems: Problems, *, cluster: ClusterSpec, model:
                path: str = "plan") -> PlanSpec | None:
     """Build and check an explicit plan against the cluster, model and train settings."""
     sec = Section(data, path, problems, allow_extra=("predicted", "baselines"))
-    version = sec.integer("version", PLAN_VERSION, limit=limits.PLAN_VERSION)
+    version = sec.integer("version", PLAN_VERSION, limit=limits.FILE_VERSION)
     if version is not None and version > PLAN_VERSION:
         problems.add(sec.at("version"), f"plan version {version} is newer than this heteroflow "
                      f"understands ({PLAN_VERSION}); upgrade heteroflow")

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from heteroflow.config import ClusterSpec, JobConfig, parse_cluster, parse_job, read_yaml
+from heteroflow.config import limits
 from heteroflow.config.reader import Problems
 from heteroflow.config.yamlfile import read_text_file
 from heteroflow.errors import ConfigError, UserError
@@ -227,6 +228,13 @@ def _load_cluster(path: str | os.PathLike) -> ClusterSpec:
 
 def _world(source: _Source, options: ImportOptions, cluster: ClusterSpec | None, notes: list[str]) -> tuple[int, int, int]:
     """World size, nodes and processes per node of the Megatron run."""
+    for value, limit, name in ((options.nnodes, limits.NUM_NODES, "--nnodes"),
+                               (options.nproc_per_node, limits.DEVICES_PER_NODE, "--nproc-per-node"),
+                               (source.nnodes, limits.NUM_NODES, "the source's number of nodes"),
+                               (source.nproc_per_node, limits.DEVICES_PER_NODE, "the source's processes per node")):
+        problem = None if value is None else limit.problem(value)
+        if problem is not None:
+            raise UserError(f"{name}: {problem}")
     nnodes = options.nnodes or source.nnodes
     nproc = options.nproc_per_node or source.nproc_per_node
     for given, found, what in ((options.nnodes, source.nnodes, "nodes"),

@@ -121,4 +121,5 @@ def test_read_only_offload_dir_is_reported_before_training(tmp_path, capsys, wri
     job = write_yaml(TRAIN_JOB % ", offload_dir: swap")
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == f"{tmp_path}/swap" else real_access(p, mode))
-    assert run(capsys, "train", str(job), "--emulate") == [f"train.offload_dir: directory '{tmp_path}/swap' is not writable"]
+    assert run(capsys, "train", str(job), "--emulate") == [
+        f"train.offload_dir: directory '{tmp_path}/swap' is not writable"]

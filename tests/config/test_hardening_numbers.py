@@ -172,3 +172,15 @@ def test_profile_numbers_are_checked(tmp_path, profile, path):
     with pytest.raises(ConfigError) as info:
         load_profile(file)
     assert any(str(p).startswith(path) for p in info.value.problems), info.value.problems
+
+
+def test_import_megatron_refuses_zero_processes_from_the_script_or_the_api(tmp_path, capsys):
+    from heteroflow.errors import UserError
+    from heteroflow.megatron import ImportOptions, import_megatron
+    script = tmp_path / "run.sh"
+    script.write_text("torchrun --nproc_per_node 0 --nnodes 1 pretrain_gpt.py --num-layers 2 --hidden-size 64 "
+                      "--num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --global-batch-size 4 --bf16\n")
+    assert main(["import-megatron", str(script), "--device-type", "cpu"]) == 2
+    assert "the source's processes per node: must be between 1 and 1024, got 0" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--nnodes: must be between 1 and 100000, got 0"):
+        import_megatron(script, ImportOptions(nnodes=0, nproc_per_node=2, device_type="cpu"))
