@@ -1,6 +1,7 @@
 """`heteroflow` command line: parses arguments and dispatches; the work lives in the packages.
 
-User errors (`UserError`, including every config problem) print a clear message and exit 2.
+User errors (`UserError`, including every config problem) print a clear message and exit 2. Numeric flags
+(`heteroflow.config.limits`) and output paths (`heteroflow.config.paths`) are checked before any work.
 """
 
 from __future__ import annotations

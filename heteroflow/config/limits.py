@@ -61,6 +61,9 @@ def positive(maximum: float) -> Range:
     return Range(0.0, maximum, min_exclusive=True)
 
 
+MAX_EXACT_INT = 2**53
+"""Bound of an integer read without a range of its own: past it a float such as 1e30 is not an exact count."""
+
 # --- cluster -----------------------------------------------------------------------------------------
 MAX_NODES = 100_000
 """Nodes in one cluster (`cluster.nodes`, `--nnodes`)."""

@@ -1,7 +1,8 @@
 """A strict reader over parsed YAML: typed getters that record every problem with its path.
 
 Loading never stops at the first problem: each getter records what is wrong and returns None, so the
-user sees all problems at once. `Section.finish()` reports keys that nobody read (unknown keys).
+user sees all problems at once. `Section.finish()` reports keys that nobody read (unknown keys). Numbers are
+finite and inside the ranges of `heteroflow.config.limits`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from heteroflow.config.limits import Range
+from heteroflow.config.limits import MAX_EXACT_INT, Range
 from heteroflow.errors import ConfigError, Problem, did_you_mean
 
 REQUIRED = object()  # default meaning "the key must be present"
@@ -87,7 +88,7 @@ class Section:
         value = self.raw(key, default)
         if value is None or value is default:
             return value
-        allowed = limit or Range(minimum, maximum)
+        allowed = limit or Range(minimum, MAX_EXACT_INT if maximum is None else maximum)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                 isinstance(value, float) and math.isfinite(value) and not value.is_integer()):
             self.problems.add(self.at(key), f"expected an integer, got {type_name(value)} {value!r}")

@@ -184,3 +184,11 @@ def test_import_megatron_refuses_zero_processes_from_the_script_or_the_api(tmp_p
     assert "the source's processes per node: must be between 1 and 1024, got 0" in capsys.readouterr().err
     with pytest.raises(UserError, match="--nnodes: must be between 1 and 100000, got 0"):
         import_megatron(script, ImportOptions(nnodes=0, nproc_per_node=2, device_type="cpu"))
+
+
+def test_an_integer_without_a_range_of_its_own_is_still_exact():
+    from heteroflow.config.reader import Problems, Section
+    problems_ = Problems()
+    sec = Section({"n": 1e30, "m": 2.0**40}, "x", problems_)
+    assert sec.integer("n", minimum=0) is None and sec.integer("m", minimum=0) == 2**40
+    assert [str(p) for p in problems_.items] == [f"x.n: must be between 0 and {limits.MAX_EXACT_INT}, got 1e+30"]
