@@ -226,24 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_FLAG_LIMITS = {  # argparse dest -> the flag as written, and the name of its range in heteroflow.config.limits
-    "steps": ("--steps", "STEPS"), "timeout": ("--timeout", "TIMEOUT_S"),
-    "join_timeout": ("--join-timeout", "TIMEOUT_S"), "rejoin_timeout": ("--rejoin-timeout", "TIMEOUT_S"),
-    "max_restarts": ("--max-restarts", "MAX_RESTARTS"), "nnodes": ("--nnodes", "NUM_NODES"),
-    "nproc_per_node": ("--nproc-per-node", "DEVICES_PER_NODE"), "vocab_size": ("--vocab-size", "VOCAB_SIZE"),
-    "max_micro_batch_size": ("--max-micro-batch-size", "MICRO_BATCH_SIZE"),
+_FLAG_LIMITS = {  # argparse dest -> the flag as written, and its allowed range
+    "steps": ("--steps", limits.STEPS), "timeout": ("--timeout", limits.TIMEOUT_S),
+    "join_timeout": ("--join-timeout", limits.TIMEOUT_S), "rejoin_timeout": ("--rejoin-timeout", limits.TIMEOUT_S),
+    "max_restarts": ("--max-restarts", limits.MAX_RESTARTS), "nnodes": ("--nnodes", limits.NUM_NODES),
+    "nproc_per_node": ("--nproc-per-node", limits.DEVICES_PER_NODE), "vocab_size": ("--vocab-size", limits.VOCAB_SIZE),
+    "max_micro_batch_size": ("--max-micro-batch-size", limits.MICRO_BATCH_SIZE),
 }
 
 
 def check_number_flags(args: argparse.Namespace) -> None:
     """Every numeric flag given is finite and in its range (`heteroflow.config.limits`), else one
     `--flag: message` line each, before any work."""
-    problems = []
-    for dest, (flag, limit_name) in _FLAG_LIMITS.items():
-        value = getattr(args, dest, None)
-        message = None if value is None else getattr(limits, limit_name).problem(value)
-        if message is not None:
-            problems.append(Problem(flag, message))
+    problems = [Problem(flag, message) for dest, (flag, limit) in _FLAG_LIMITS.items()
+                if getattr(args, dest, None) is not None and (message := limit.problem(getattr(args, dest)))]
     if problems:
         raise ConfigError(problems)
 
