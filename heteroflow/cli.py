@@ -1,6 +1,7 @@
 """`heteroflow` command line: parses arguments and dispatches; the work lives in the packages.
 
-User errors (`UserError`, including every config problem) print a clear message and exit 2.
+User errors (`UserError`, including every config problem) print a clear message and exit 2. Numeric flags
+(`heteroflow.config.limits`) and output paths (`heteroflow.config.paths`) are checked before any work.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import sys
 from typing import Callable, Sequence
 
 from heteroflow import __version__
-from heteroflow.errors import ConfigError, UserError
+from heteroflow.config import limits
+from heteroflow.config.paths import DIR, EXISTING_DIR, FILE_IN_NEW_DIR, Output, check_output_paths, job_outputs
+from heteroflow.errors import ConfigError, Problem, UserError
 
 
 def _print_json(data: object) -> None:
@@ -73,6 +76,7 @@ def cmd_import_megatron(args: argparse.Namespace) -> int:
     if args.compare and args.json:
         raise UserError("--compare prints a table; drop --json (or run `heteroflow plan JOB --json` and "
                         "`heteroflow plan JOB --evaluate --json` on the imported job)")
+    check_output_paths(Output("-o", args.output), Output("--plan-out", args.plan_out))
     result = run_import_megatron(args)
     status = emit(result, output=args.output, plan_out=args.plan_out, as_json=args.json)
     if args.compare:
@@ -89,18 +93,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from heteroflow.launcher.launch import TrainingFailed
     from heteroflow.launcher.prepare import TrainOptions
     from heteroflow.launcher.train import train_job
-    if args.steps is not None and args.steps < 1:
-        raise UserError(f"--steps must be at least 1, got {args.steps}")
     if (args.node is None) != (args.rdzv is None):
         raise UserError("a multi-node run needs both --node NAME and --rdzv HOST:PORT (on every node)")
     if args.replan_on_failure and args.node is None:
         raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
-    for flag, value, minimum in (("--max-restarts", args.max_restarts, 0), ("--timeout", args.timeout, 1),
-                                 ("--join-timeout", args.join_timeout, 1),
-                                 ("--rejoin-timeout", args.rejoin_timeout, 1)):
-        if value is not None and value < minimum:
-            raise UserError(f"{flag} must be at least {minimum}, got {value:g}")
     job = load_job(args.job)
+    check_output_paths(Output("--metrics", args.metrics, FILE_IN_NEW_DIR), Output("--log-dir", args.log_dir, DIR),
+                       *job_outputs(job))
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
                            log_dir=args.log_dir, timeout_s=args.timeout, max_restarts=args.max_restarts,
                            node=args.node, rdzv=args.rdzv, join_timeout_s=args.join_timeout,
@@ -125,6 +124,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search the best plan for a job, or estimate a given one."""
     from heteroflow.stagemap.commands import plan_command
+    check_output_paths(Output("-o", args.output), Output("--gantt", args.gantt))
     return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
                         evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
                         max_micro_batch_size=args.max_micro_batch_size, all_layouts=args.all_layouts)
@@ -133,6 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure this machine's devices, links and disk for the cost model."""
     from heteroflow.measure.command import profile_command
+    check_output_paths(Output("-o", args.output), Output("--disk-dir", args.disk_dir, EXISTING_DIR))
     return profile_command(output=args.output, quick=args.quick, device_type=args.device_type,
                            disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
 
@@ -226,10 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_FLAG_LIMITS = {  # argparse dest -> the flag as written, and its allowed range
+    "steps": ("--steps", limits.STEPS), "timeout": ("--timeout", limits.TIMEOUT_S),
+    "join_timeout": ("--join-timeout", limits.TIMEOUT_S), "rejoin_timeout": ("--rejoin-timeout", limits.TIMEOUT_S),
+    "max_restarts": ("--max-restarts", limits.MAX_RESTARTS), "nnodes": ("--nnodes", limits.NUM_NODES),
+    "nproc_per_node": ("--nproc-per-node", limits.DEVICES_PER_NODE), "vocab_size": ("--vocab-size", limits.VOCAB_SIZE),
+    "max_micro_batch_size": ("--max-micro-batch-size", limits.MICRO_BATCH_SIZE),
+}
+
+
+def check_number_flags(args: argparse.Namespace) -> None:
+    """Every numeric flag given is finite and in its range (`heteroflow.config.limits`), else one
+    `--flag: message` line each, before any work."""
+    problems = [Problem(flag, message) for dest, (flag, limit) in _FLAG_LIMITS.items()
+                if getattr(args, dest, None) is not None and (message := limit.problem(getattr(args, dest)))]
+    if problems:
+        raise ConfigError(problems)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `heteroflow` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        check_number_flags(args)
         return args.run(args)
     except ConfigError as error:
         from heteroflow.config.job import format_config_error

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from heteroflow.config import limits
 from heteroflow.config.catalog import ALIASES, CATALOG
 from heteroflow.config.device import VENDORS, DeviceSpec
 from heteroflow.config.reader import REQUIRED, Problems, Section, type_name
@@ -117,8 +118,10 @@ class ClusterSpec:
         return out
 
 
-_DEVICE_NUMBER_FIELDS = ("memory_gib", "tflops_bf16", "tflops_fp16", "tflops_fp32", "hbm_gb_per_s",
-                         "intra_node_gb_per_s", "host_link_gb_per_s")
+_DEVICE_NUMBER_LIMITS = {"memory_gib": limits.MEMORY_GIB, "tflops_bf16": limits.TFLOPS, "tflops_fp16": limits.TFLOPS,
+                         "tflops_fp32": limits.TFLOPS, "hbm_gb_per_s": limits.MEMORY_GB_PER_S,
+                         "intra_node_gb_per_s": limits.NETWORK_GB_PER_S, "host_link_gb_per_s": limits.NETWORK_GB_PER_S}
+_DEVICE_NUMBER_FIELDS = tuple(_DEVICE_NUMBER_LIMITS)
 
 
 def _parse_device_type(name: str, sec: Section, base: DeviceSpec | None) -> DeviceSpec | None:
@@ -128,7 +131,7 @@ def _parse_device_type(name: str, sec: Section, base: DeviceSpec | None) -> Devi
     for f in _DEVICE_NUMBER_FIELDS:
         required = base is None and f in ("memory_gib", "intra_node_gb_per_s")
         default = REQUIRED if required else (getattr(base, f) if base else DeviceSpec.__dataclass_fields__[f].default)
-        values[f] = sec.number(f, default, positive=True)
+        values[f] = sec.number(f, default, limit=_DEVICE_NUMBER_LIMITS[f])
     source = sec.string("source", None)
     sec.finish()
     if base is None and all(values[f] is None for f in ("tflops_bf16", "tflops_fp16", "tflops_fp32")):
@@ -172,7 +175,7 @@ def parse_env(sec: Section, key: str = "env") -> dict[str, str] | None:
 def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> ClusterSpec | None:
     """Build a `ClusterSpec` from the job's `cluster:` section, resolving device types."""
     sec = Section(data, path, problems)
-    inter = sec.number("inter_node_gb_per_s", 25.0, positive=True)
+    inter = sec.number("inter_node_gb_per_s", 25.0, limit=limits.NETWORK_GB_PER_S)
     profile = sec.string("profile", None)
     cluster_env = parse_env(sec) or {}
     types: dict[str, DeviceSpec] = {}
@@ -208,7 +211,7 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
         node_sec = Section(raw, f"{sec.at('nodes')}[{i}]", problems)
         name = node_sec.string("name")
         device = node_sec.string("device")
-        count = node_sec.integer("count")
+        count = node_sec.integer("count", limit=limits.DEVICES_PER_NODE)
         host = node_sec.string("host", None)
         node_env = parse_env(node_sec) or {}
         node_sec.finish()
@@ -235,6 +238,8 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
             types.setdefault(device, known[device])
     if raw_nodes is not None and not raw_nodes:
         problems.add(sec.at("nodes"), "a cluster needs at least one node")
+    elif raw_nodes is not None and len(raw_nodes) > limits.MAX_NODES:
+        problems.add(sec.at("nodes"), f"{len(raw_nodes)} nodes; a cluster may have at most {limits.MAX_NODES}")
     sec.finish()
     if not sec.valid or inter is None or not nodes:
         return None

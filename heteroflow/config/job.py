@@ -6,13 +6,12 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from heteroflow.config.cluster import ClusterSpec, parse_cluster
 from heteroflow.config.model import ModelSpec, parse_model
 from heteroflow.config.plan import PlanSpec, parse_plan
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.train import TrainSpec, parse_train
+from heteroflow.config.yamlfile import read_yaml
 from heteroflow.errors import ConfigError, Problem, UserError
 
 
@@ -39,43 +38,6 @@ class JobConfig:
         """Plain data in the job YAML schema."""
         return {"cluster": self.cluster.to_dict(), "model": self.model.to_dict(), "train": self.train.to_dict(),
                 "plan": self.plan.to_dict() if self.plan is not None else "auto"}
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys instead of keeping the last silently."""
-
-
-def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
-        seen[key] = True
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
-
-
-def read_yaml(path: str | os.PathLike) -> object:
-    """Parse a YAML file; syntax errors become a `UserError` naming file, line and column."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read: {exc}") from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise UserError(f"{where}: YAML error: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: YAML error: {exc}") from None
 
 
 def _read_cluster_file(path: Path) -> object:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from heteroflow.config import limits
 from heteroflow.config.reader import REQUIRED, Problems, Section
 from heteroflow.errors import did_you_mean
 
@@ -100,8 +101,10 @@ PRESETS: dict[str, ModelSpec] = {
                              num_kv_heads=2, vocab_size=256, seq_length=32),
 }
 
-_INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads",
-               "vocab_size", "seq_length")
+_INT_FIELDS = {"num_layers": limits.NUM_LAYERS, "hidden_size": limits.HIDDEN_SIZE,
+               "ffn_hidden_size": limits.HIDDEN_SIZE, "num_attention_heads": limits.NUM_HEADS,
+               "num_kv_heads": limits.NUM_HEADS, "vocab_size": limits.VOCAB_SIZE, "seq_length": limits.SEQ_LENGTH}
+"""Shape fields and their allowed ranges (`heteroflow.config.limits`)."""
 
 
 def parse_model(data: object, problems: Problems, path: str = "model") -> ModelSpec | None:
@@ -119,18 +122,18 @@ def parse_model(data: object, problems: Problems, path: str = "model") -> ModelS
                          + (did_you_mean(preset_name, PRESETS) or f"; known: {', '.join(PRESETS)}"))
             sec.finish()
             return None
-    for name in _INT_FIELDS:  # without a preset every shape field is required
-        fields[name] = sec.integer(name, fields[name] if preset_name else REQUIRED)
-    fields["head_dim"] = sec.integer("head_dim", fields.get("head_dim"))
-    fields["rope_theta"] = sec.number("rope_theta", fields.get("rope_theta", 10000.0), positive=True)
-    fields["norm_eps"] = sec.number("norm_eps", fields.get("norm_eps", 1e-5), positive=True)
+    for name, limit in _INT_FIELDS.items():  # without a preset every shape field is required
+        fields[name] = sec.integer(name, fields[name] if preset_name else REQUIRED, limit=limit)
+    fields["head_dim"] = sec.integer("head_dim", fields.get("head_dim"), limit=limits.NUM_HEADS)
+    fields["rope_theta"] = sec.number("rope_theta", fields.get("rope_theta", 10000.0), limit=limits.ROPE_THETA)
+    fields["norm_eps"] = sec.number("norm_eps", fields.get("norm_eps", 1e-5), limit=limits.NORM_EPS)
     for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
         fields[name] = sec.boolean(name, fields.get(name, False))
     for name, choices in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS),
                           ("position_embedding", POSITION_EMBEDDINGS)):
         fields[name] = sec.string(name, fields.get(name, choices[0]), choices=choices)
     sec.finish()
-    if not sec.valid or any(fields[n] is None for n in _INT_FIELDS + ("rope_theta", "norm_eps")):
+    if not sec.valid or any(fields[n] is None for n in (*_INT_FIELDS, "rope_theta", "norm_eps")):
         return None
     spec = ModelSpec(**fields)
     return spec if check_model(spec, problems, path) else None

@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from heteroflow.config import limits
 from heteroflow.config.cluster import ClusterSpec, DeviceRef
 from heteroflow.config.model import ModelSpec
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.train import TrainSpec
 from heteroflow.errors import did_you_mean
-from heteroflow.layout import (ACTIVATION_TIERS, PRECISIONS, RECOMPUTE, SCHEDULES, STATE_TIERS, OffloadSpec,
+from heteroflow.layout import (ACTIVATION_TIERS, PRECISIONS, RECOMPUTE, SCHEDULES, STATE_TIERS, ZERO_STAGES,
+                               OffloadSpec,
                                ParallelLayout)
 
 PLAN_VERSION = 1
@@ -131,12 +133,12 @@ def parse_plan(data: object, problems: Problems, *, cluster: ClusterSpec, model:
                path: str = "plan") -> PlanSpec | None:
     """Build and check an explicit plan against the cluster, model and train settings."""
     sec = Section(data, path, problems, allow_extra=("predicted", "baselines"))
-    version = sec.integer("version", PLAN_VERSION)
+    version = sec.integer("version", PLAN_VERSION, limit=limits.FILE_VERSION)
     if version is not None and version > PLAN_VERSION:
         problems.add(sec.at("version"), f"plan version {version} is newer than this heteroflow "
                      f"understands ({PLAN_VERSION}); upgrade heteroflow")
     schedule = sec.string("schedule", "1f1b", choices=SCHEDULES)
-    mbs = sec.integer("micro_batch_size", train.micro_batch_size)
+    mbs = sec.integer("micro_batch_size", train.micro_batch_size, limit=limits.MICRO_BATCH_SIZE)
     if mbs is not None and train.global_batch_size % mbs:
         problems.add(sec.at("micro_batch_size"), f"{mbs} does not divide train.global_batch_size "
                      f"{train.global_batch_size}")
@@ -174,9 +176,9 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
     refs = None if raw_devices is None else _resolve_devices(raw_devices, sec.at("devices"), cluster, problems)
     raw_layers = sec.raw("layers")
     layers = None if raw_layers is None else _parse_layers(raw_layers, sec.at("layers"), first_layer, problems)
-    tp, dp, cp = sec.integer("tp", 1), sec.integer("dp", 1), sec.integer("cp", 1)
+    tp, dp, cp = (sec.integer(key, 1, limit=limits.PARALLEL_DEGREE) for key in ("tp", "dp", "cp"))
     sp = sec.boolean("sp", False)
-    zero = sec.integer("zero", 0, minimum=0)
+    zero = sec.integer("zero", 0, limit=limits.integers(min(ZERO_STAGES), max(ZERO_STAGES)))
     recompute = sec.string("recompute", "none", choices=RECOMPUTE)
     offload = OffloadSpec()
     off_sec = sec.mapping("offload", None)

@@ -1,13 +1,16 @@
 """A strict reader over parsed YAML: typed getters that record every problem with its path.
 
 Loading never stops at the first problem: each getter records what is wrong and returns None, so the
-user sees all problems at once. `Section.finish()` reports keys that nobody read (unknown keys).
+user sees all problems at once. `Section.finish()` reports keys that nobody read (unknown keys). Numbers are
+finite and inside the ranges of `heteroflow.config.limits`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Sequence
 
+from heteroflow.config.limits import MAX_EXACT_INT, Range
 from heteroflow.errors import ConfigError, Problem, did_you_mean
 
 REQUIRED = object()  # default meaning "the key must be present"
@@ -76,39 +79,42 @@ class Section:
             return None
         return default
 
-    def integer(self, key: str, default: Any = REQUIRED, *, minimum: int | None = 1) -> int | None:
-        """An integer (booleans refused), at least `minimum` when given."""
+    def integer(self, key: str, default: Any = REQUIRED, *, minimum: int | None = 1, maximum: int | None = None,
+                limit: Range | None = None) -> int | None:
+        """An integer (booleans refused) in `limit`, else from `minimum` to `maximum` when given.
+
+        A float is taken only when it is a whole number inside the range: `1e30` is not a count.
+        """
         value = self.raw(key, default)
         if value is None or value is default:
             return value
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                self.problems.add(self.at(key), f"expected an integer, got {type_name(value)} {value!r}")
-                return None
-        if minimum is not None and value < minimum:
-            self.problems.add(self.at(key), f"must be at least {minimum}, got {value}")
+        allowed = limit or Range(minimum, MAX_EXACT_INT if maximum is None else maximum)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and math.isfinite(value) and not value.is_integer()):
+            self.problems.add(self.at(key), f"expected an integer, got {type_name(value)} {value!r}")
             return None
-        return value
+        problem = allowed.problem(value)
+        if problem is not None:
+            self.problems.add(self.at(key), problem)
+            return None
+        return int(value)
 
     def number(self, key: str, default: Any = REQUIRED, *, minimum: float | None = None,
-              positive: bool = False) -> float | None:
-        """A number (integers accepted, booleans refused)."""
+               maximum: float | None = None, positive: bool = False, limit: Range | None = None) -> float | None:
+        """A finite number (integers accepted, booleans refused) in `limit`, else above 0 with `positive`, at
+        least `minimum` and at most `maximum` when given."""
         value = self.raw(key, default)
         if value is None or value is default:
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.problems.add(self.at(key), f"expected a number, got {type_name(value)} {value!r}")
             return None
-        value = float(value)
-        if positive and value <= 0:
-            self.problems.add(self.at(key), f"must be positive, got {value:g}")
+        allowed = limit or (Range(0.0, maximum, min_exclusive=True) if positive else Range(minimum, maximum))
+        problem = allowed.problem(value)
+        if problem is not None:
+            self.problems.add(self.at(key), problem)
             return None
-        if minimum is not None and value < minimum:
-            self.problems.add(self.at(key), f"must be at least {minimum:g}, got {value:g}")
-            return None
-        return value
+        return float(value)
 
     def boolean(self, key: str, default: Any = REQUIRED) -> bool | None:
         """A YAML boolean (`true` / `false`)."""

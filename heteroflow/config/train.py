@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
+from heteroflow.config import limits
 from heteroflow.config.device import PRECISIONS
 from heteroflow.config.reader import Problems, Section
 
@@ -77,28 +78,29 @@ class TrainSpec:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+_NUMBER_LIMITS = {"lr": limits.LEARNING_RATE, "min_lr": limits.MIN_LEARNING_RATE, "weight_decay": limits.WEIGHT_DECAY,
+                  "grad_clip": limits.GRAD_CLIP, "adam_beta1": limits.ADAM_BETA, "adam_beta2": limits.ADAM_BETA,
+                  "adam_eps": limits.ADAM_EPS}
+"""The optimizer's numbers and their allowed ranges (`heteroflow.config.limits`)."""
+
+
 def parse_train(data: object, problems: Problems, path: str = "train") -> TrainSpec | None:
     """Build a `TrainSpec` from the job's `train:` section."""
     sec = Section(data, path, problems)
     d = TrainSpec.__dataclass_fields__
     values = {
-        "global_batch_size": sec.integer("global_batch_size"),
-        "micro_batch_size": sec.integer("micro_batch_size", d["micro_batch_size"].default),
+        "global_batch_size": sec.integer("global_batch_size", limit=limits.GLOBAL_BATCH_SIZE),
+        "micro_batch_size": sec.integer("micro_batch_size", d["micro_batch_size"].default,
+                                        limit=limits.MICRO_BATCH_SIZE),
         "precision": sec.string("precision", d["precision"].default, choices=PRECISIONS),
-        "steps": sec.integer("steps", d["steps"].default),
-        "seed": sec.integer("seed", d["seed"].default, minimum=0),
-        "warmup_steps": sec.integer("warmup_steps", d["warmup_steps"].default, minimum=0),
+        "steps": sec.integer("steps", d["steps"].default, limit=limits.STEPS),
+        "seed": sec.integer("seed", d["seed"].default, limit=limits.SEED),
+        "warmup_steps": sec.integer("warmup_steps", d["warmup_steps"].default, limit=limits.WARMUP_STEPS),
         "init_from": sec.string("init_from", None),
         "offload_dir": sec.string("offload_dir", None),
     }
-    for name in ("lr", "min_lr", "weight_decay", "grad_clip", "adam_beta1", "adam_beta2", "adam_eps"):
-        must_be_positive = name in ("lr", "adam_eps")
-        values[name] = sec.number(name, d[name].default, minimum=None if must_be_positive else 0.0,
-                                  positive=must_be_positive)
-    for name in ("adam_beta1", "adam_beta2"):
-        if values[name] is not None and values[name] >= 1:
-            problems.add(sec.at(name), f"must be below 1, got {values[name]:g}")
-            values[name] = None
+    for name, limit in _NUMBER_LIMITS.items():
+        values[name] = sec.number(name, d[name].default, limit=limit)
     data_sec = sec.mapping("data", None)
     values["data"] = None
     if data_sec is not None:
@@ -109,8 +111,8 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
     values["checkpoint"] = None
     if ckpt_sec is not None:
         values["checkpoint"] = _build(CheckpointSpec, ckpt_sec, dir=ckpt_sec.string("dir"),
-                                      interval=ckpt_sec.integer("interval", 100),
-                                      keep=ckpt_sec.integer("keep", 3))
+                                      interval=ckpt_sec.integer("interval", 100, limit=limits.STEPS),
+                                      keep=ckpt_sec.integer("keep", 3, limit=limits.CHECKPOINTS_KEPT))
     sec.finish()
     lr, min_lr = values["lr"], values["min_lr"]
     if lr is not None and min_lr is not None and min_lr > lr:

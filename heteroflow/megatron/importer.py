@@ -19,8 +19,10 @@ from pathlib import Path
 import yaml
 
 from heteroflow.config import ClusterSpec, JobConfig, parse_cluster, parse_job, read_yaml
+from heteroflow.config import limits
 from heteroflow.config.catalog import lookup
 from heteroflow.config.reader import Problems
+from heteroflow.config.yamlfile import read_text_file
 from heteroflow.errors import ConfigError, UserError
 from heteroflow.layout import ParallelLayout
 from heteroflow.megatron.args import MegatronArgs, parse_argv
@@ -149,15 +151,6 @@ def _source_kind(path: Path, data: object) -> str:
     return "megatron-yaml"
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read: {exc}") from None
-
-
 @dataclass
 class _Source:
     """What reading the source produced, before mapping."""
@@ -176,7 +169,7 @@ class _Source:
 
 
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
-    text = _read_text(path)
+    text = read_text_file(path)
     try:
         run = run_script(text, args=options.script_args, env=options.env, script_name=str(path))
         launch = find_launch(run.commands)
@@ -236,6 +229,13 @@ def _load_cluster(path: str | os.PathLike) -> ClusterSpec:
 
 def _world(source: _Source, options: ImportOptions, cluster: ClusterSpec | None, notes: list[str]) -> tuple[int, int, int]:
     """World size, nodes and processes per node of the Megatron run."""
+    for value, limit, name in ((options.nnodes, limits.NUM_NODES, "--nnodes"),
+                               (options.nproc_per_node, limits.DEVICES_PER_NODE, "--nproc-per-node"),
+                               (source.nnodes, limits.NUM_NODES, "the source's number of nodes"),
+                               (source.nproc_per_node, limits.DEVICES_PER_NODE, "the source's processes per node")):
+        problem = None if value is None else limit.problem(value)
+        if problem is not None:
+            raise UserError(f"{name}: {problem}")
     nnodes = options.nnodes or source.nnodes
     nproc = options.nproc_per_node or source.nproc_per_node
     for given, found, what in ((options.nnodes, source.nnodes, "nodes"),

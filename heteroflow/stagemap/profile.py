@@ -49,6 +49,7 @@ from pathlib import Path
 
 import yaml
 
+from heteroflow.config import limits
 from heteroflow.config.device import PRECISIONS, VENDORS
 from heteroflow.config.reader import Problems, Section
 
@@ -223,6 +224,13 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
                           encoding="utf-8")
 
 
+_GB_PER_S, _SECONDS, _GIB = limits.MEASURED_GB_PER_S, limits.MEASURED_S, limits.MEASURED_GIB
+
+
+def _positive_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def load_profile(path: str | os.PathLike) -> Profile:
     """Read and validate a profile file; problems raise a `ConfigError` naming their paths."""
     from heteroflow.config.job import read_yaml
@@ -240,15 +248,16 @@ def load_profile(path: str | os.PathLike) -> Profile:
 
 def parse_profile(sec: Section, problems: Problems) -> Profile | None:
     """Build a `Profile` from the `profile:` mapping."""
-    version = sec.integer("version", PROFILE_VERSION)
+    version = sec.integer("version", PROFILE_VERSION, limit=limits.FILE_VERSION)
     if version is not None and version > PROFILE_VERSION:
         problems.add(sec.at("version"), f"profile version {version} is newer than this heteroflow understands")
     host = HostProfile()
     h = sec.mapping("host", None)
     if h is not None:
-        host = HostProfile(name=h.string("name", "") or "", cpu_cores=h.integer("cpu_cores", 1) or 1,
-                           memory_gib=h.number("memory_gib", 0.0, minimum=0.0) or 0.0,
-                           memory_gb_per_s=h.number("memory_gb_per_s", 0.0, minimum=0.0) or 0.0)
+        host = HostProfile(name=h.string("name", "") or "",
+                           cpu_cores=h.integer("cpu_cores", 1, limit=limits.CPU_CORES) or 1,
+                           memory_gib=h.number("memory_gib", 0.0, limit=_GIB) or 0.0,
+                           memory_gb_per_s=h.number("memory_gb_per_s", 0.0, limit=_GB_PER_S) or 0.0)
         h.finish()
     devices = []
     for i, raw in enumerate(sec.sequence("devices", []) or []):
@@ -256,10 +265,10 @@ def parse_profile(sec: Section, problems: Problems) -> Profile | None:
         gemm = _curves(d, "gemm_tflops", ("n", "tflops"), problems)
         dev = dict(device_type=d.string("device_type"), vendor=d.string("vendor", "cpu", choices=VENDORS),
                    description=d.string("description", "") or "",
-                   memory_gib=d.number("memory_gib", 0.0, minimum=0.0),
-                   memory_gb_per_s=d.number("memory_gb_per_s", 0.0, minimum=0.0),
-                   host_link_gb_per_s=d.number("host_link_gb_per_s", 0.0, minimum=0.0),
-                   launch_overhead_s=d.number("launch_overhead_s", 0.0, minimum=0.0))
+                   memory_gib=d.number("memory_gib", 0.0, limit=_GIB),
+                   memory_gb_per_s=d.number("memory_gb_per_s", 0.0, limit=_GB_PER_S),
+                   host_link_gb_per_s=d.number("host_link_gb_per_s", 0.0, limit=_GB_PER_S),
+                   launch_overhead_s=d.number("launch_overhead_s", 0.0, limit=_SECONDS))
         d.finish()
         if all(v is not None for v in dev.values()):
             devices.append(DeviceProfile(gemm_tflops=gemm, **dev))
@@ -267,16 +276,17 @@ def parse_profile(sec: Section, problems: Problems) -> Profile | None:
     ls = sec.mapping("link", None)
     if ls is not None:
         link = LinkProfile(backend=ls.string("backend", "gloo") or "gloo",
-                           gb_per_s=ls.number("gb_per_s", 0.0, minimum=0.0) or 0.0,
-                           latency_s=ls.number("latency_s", 0.0, minimum=0.0) or 0.0,
-                           allreduce_gb_per_s=ls.number("allreduce_gb_per_s", 0.0, minimum=0.0) or 0.0,
-                           allreduce_latency_s=ls.number("allreduce_latency_s", 0.0, minimum=0.0) or 0.0)
+                           gb_per_s=ls.number("gb_per_s", 0.0, limit=_GB_PER_S) or 0.0,
+                           latency_s=ls.number("latency_s", 0.0, limit=_SECONDS) or 0.0,
+                           allreduce_gb_per_s=ls.number("allreduce_gb_per_s", 0.0, limit=_GB_PER_S) or 0.0,
+                           allreduce_latency_s=ls.number("allreduce_latency_s", 0.0, limit=_SECONDS) or 0.0)
         ls.finish()
     disk = None
     ds = sec.mapping("disk", None)
     if ds is not None:
-        disk = DiskProfile(path=ds.string("path", "") or "", read_gb_per_s=ds.number("read_gb_per_s", 0.0, minimum=0.0) or 0.0,
-                           write_gb_per_s=ds.number("write_gb_per_s", 0.0, minimum=0.0) or 0.0,
+        disk = DiskProfile(path=ds.string("path", "") or "",
+                           read_gb_per_s=ds.number("read_gb_per_s", 0.0, limit=_GB_PER_S) or 0.0,
+                           write_gb_per_s=ds.number("write_gb_per_s", 0.0, limit=_GB_PER_S) or 0.0,
                            direct_io=bool(ds.boolean("direct_io", False)))
         ds.finish()
     cpu_thread = None
@@ -285,9 +295,9 @@ def parse_profile(sec: Section, problems: Problems) -> Profile | None:
         cpu_thread = ThreadProfile(
             gemm_tflops=_curves(ts, "gemm_tflops", ("n", "tflops"), problems),
             attention_tflops=_curves(ts, "attention_tflops", ("head_dim", "forward", "backward"), problems),
-            elementwise_gb_per_s=ts.number("elementwise_gb_per_s", 0.0, minimum=0.0) or 0.0,
-            block_forward_overhead_s=ts.number("block_forward_overhead_s", 0.0, minimum=0.0) or 0.0,
-            block_backward_overhead_s=ts.number("block_backward_overhead_s", 0.0, minimum=0.0) or 0.0,
+            elementwise_gb_per_s=ts.number("elementwise_gb_per_s", 0.0, limit=_GB_PER_S) or 0.0,
+            block_forward_overhead_s=ts.number("block_forward_overhead_s", 0.0, limit=_SECONDS) or 0.0,
+            block_backward_overhead_s=ts.number("block_backward_overhead_s", 0.0, limit=_SECONDS) or 0.0,
             **_reference_block(ts, problems))
         ts.finish()
     sec.finish()
@@ -306,7 +316,7 @@ def _reference_block(sec: Section, problems: Problems) -> dict:
     sh = rb.mapping("shape")
     if sh is not None:
         for key in REFERENCE_SHAPE_KEYS:
-            value = sh.integer(key, minimum=1)
+            value = sh.integer(key, limit=limits.SEQ_LENGTH)
             if value is not None:
                 shape[key] = value
         sh.finish()
@@ -334,15 +344,16 @@ def _curves(sec: Section, key: str, columns: tuple[str, ...], problems: Problems
             ok = isinstance(pts, list) and len(pts) == len(columns) and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in pts)
             if not ok:
-                problems.add(g.at(str(prec)), f"expected [{', '.join(columns)}], positive numbers")
+                problems.add(g.at(str(prec)), f"expected [{', '.join(columns)}], finite positive numbers")
                 continue
             out[str(prec)] = tuple(float(v) for v in pts)
             continue
         ok = isinstance(pts, list) and pts and all(
             isinstance(p, list) and len(p) == len(columns)
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in p) for p in pts)
+            and all(_positive_finite(v) for v in p) for p in pts)
         if not ok:
-            problems.add(g.at(str(prec)), f"expected a non-empty list of [{', '.join(columns)}] lists of positive numbers")
+            problems.add(g.at(str(prec)), f"expected a non-empty list of [{', '.join(columns)}] lists of finite "
+                         "positive numbers")
             continue
         out[str(prec)] = tuple(sorted((int(p[0]), *(float(v) for v in p[1:])) for p in pts))
     g.finish()

@@ -48,7 +48,7 @@ def test_train_bad_input_exits_2_without_traceback(tmp_path, env_cache, write_ya
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "train.data.path" in result.stderr and "missing.bin" in result.stderr
     result = heteroflow("train", str(job), "--emulate", "--steps", "0", env_cache=env_cache)
-    assert result.returncode == 2 and "--steps must be at least 1" in result.stderr
+    assert result.returncode == 2 and "--steps: must be between 1 and 1000000000, got 0" in result.stderr
 
 
 OFFLOAD_JOB = """

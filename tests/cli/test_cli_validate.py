@@ -46,7 +46,7 @@ def test_invalid_job_exits_2_with_paths_and_no_traceback(write_yaml):
     assert lines[0] == f"{job}: 3 problems"
     assert any(line.startswith("cluster.nodes[1].device: unknown device type 'a100' (did you mean "
                                "'nvidia-a100-80g'") for line in lines), lines
-    assert "cluster.nodes[1].count: must be at least 1, got 0" in lines
+    assert "cluster.nodes[1].count: must be between 1 and 1024, got 0" in lines
     assert "model.colour: unknown key" in lines
 
 

@@ -82,7 +82,7 @@ def test_missing_required_fields():
 @pytest.mark.parametrize("value", [0, -2])
 def test_zero_or_negative_counts(value):
     found = problems(edited(cluster__nodes__1__count=value))
-    assert f"cluster.nodes[1].count: must be at least 1, got {value}" in found
+    assert f"cluster.nodes[1].count: must be between 1 and 1024, got {value}" in found
 
 
 def test_duplicate_node_names():

@@ -12,8 +12,8 @@ from multinode_helpers import job_dict, write_job
     (["--node", "a"], "a multi-node run needs both --node NAME and --rdzv HOST:PORT"),
     (["--rdzv", "127.0.0.1:29400"], "a multi-node run needs both --node NAME and --rdzv HOST:PORT"),
     (["--replan-on-failure"], "--replan-on-failure applies to multi-node runs"),
-    (["--max-restarts", "-1"], "--max-restarts must be at least 0, got -1"),
-    (["--join-timeout", "0"], "--join-timeout must be at least 1, got 0"),
+    (["--max-restarts", "-1"], "--max-restarts: must be between 0 and 10000, got -1"),
+    (["--join-timeout", "0"], "--join-timeout: must be between 1 and 2592000, got 0"),
     (["--node", "a", "--rdzv", "127.0.0.1"], "--rdzv expects HOST:PORT (for example 10.0.0.1:29400), got '127.0.0.1'"),
 ])
 def test_train_multinode_flag_errors(tmp_path, monkeypatch, capsys, flags, message):
