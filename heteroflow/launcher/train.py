@@ -13,12 +13,14 @@ from heteroflow.launcher.multinode import run_node
 from heteroflow.launcher.prepare import (TrainOptions, cache_dir, check_local_devices, check_runnable, choose_plan,
                                          prepare_resume, worker_args)
 from heteroflow.launcher.swap import check_swap_space, sweep_swap
+from heteroflow.models.hf_checkpoint import check_init_from
 from heteroflow.runtime.worker import WorkerResult, run_worker
 
 
 def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     """Run the training job (on this node's ranks with `options.node`); returns each local rank's
     `WorkerResult` by plan rank."""
+    check_init_from(job)  # config.json and the index only: a bad directory stops here, before the planner
     plan = choose_plan(job, options.plan_path)
     check_runnable(plan)
     # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
