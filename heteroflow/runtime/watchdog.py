@@ -9,8 +9,9 @@ with a `ProgressBoard`, each rank publishes its step and a heartbeat in the c10d
 rank reads them when its limit passes and again before it reports (`progress.laggards`).
 
 Also the fault-injection hook the failure tests use: `HETEROFLOW_INJECT_FAULT=kill@RANK:STEP` kills
-plan rank RANK with SIGKILL when it starts step STEP, `hang@RANK:STEP` makes it sleep there; both only
-in a node's first attempt (`TORCHELASTIC_RESTART_COUNT=0`), so a restarted run goes through.
+plan rank RANK with SIGKILL when it starts step STEP, `hang@RANK:STEP` makes it sleep there,
+`freeze@RANK:STEP` stops its process there (SIGSTOP: it can no longer report itself); each only in a
+node's first attempt (`TORCHELASTIC_RESTART_COUNT=0`), so a restarted run goes through.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import traceback
 from heteroflow.runtime.progress import ProgressBoard, laggards
 
 ENV_INJECT_FAULT = "HETEROFLOW_INJECT_FAULT"
+FAULTS = ("kill", "hang", "freeze")
+"""The kinds of `HETEROFLOW_INJECT_FAULT`."""
 EXIT_STUCK = 3
 """Exit status of a rank the watchdog stopped."""
 
@@ -183,11 +186,12 @@ def parse_fault(text: str) -> tuple[str, int, int]:
     try:
         kind, _, at = text.partition("@")
         rank, _, step = at.partition(":")
-        if kind not in ("kill", "hang"):
+        if kind not in FAULTS:
             raise ValueError(kind)
         return kind, int(rank), int(step)
     except ValueError:
-        raise ValueError(f"{ENV_INJECT_FAULT}={text!r}: expected kill@RANK:STEP or hang@RANK:STEP") from None
+        raise ValueError(f"{ENV_INJECT_FAULT}={text!r}: expected KIND@RANK:STEP with KIND one of "
+                         f"{', '.join(FAULTS)}") from None
 
 
 def inject_fault(rank: int, step: int) -> None:
@@ -202,5 +206,8 @@ def inject_fault(rank: int, step: int) -> None:
     print(f"heteroflow: injected fault: {kind} rank {rank} at step {step}", file=sys.stderr, flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # continued (SIGCONT): go on
     while True:
         time.sleep(3600)
