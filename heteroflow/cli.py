@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every rank as a local CPU process over gloo (vendor labels still pick the transport)")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON record per step to this file")
-    p.add_argument("--log-dir", metavar="DIR", help="keep every rank's output here (default: a temporary dir)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="keep every rank's output here (default: a temporary dir, removed after a success)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="step limit in seconds: a rank stuck in one step this long is reported with its stage and "
                         "step and the run stops instead of hanging; collectives time out a little later (default 600)")

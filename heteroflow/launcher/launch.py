@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
+import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +28,10 @@ from typing import Any, Callable, Iterator, Mapping
 from heteroflow.errors import UserError
 from heteroflow.runtime.user_errors import ENV_ERROR_DIR, error_dir, read_user_errors, user_error_message
 from heteroflow.stagemap.hardware import threads_per_process
+
+
+LOG_DIR_PREFIX = "heteroflow-logs-"
+"""Prefix of the temporary log directory of a launch without `log_dir`."""
 
 
 class TrainingFailed(Exception):
@@ -43,7 +49,8 @@ class LaunchSpec:
     num_processes: int
     """Workers on this node (one per device)."""
     log_dir: str | None = None
-    """Where each rank's stdout/stderr go; a temporary directory when None."""
+    """Where each rank's stdout/stderr go; when None, a temporary directory, removed after a success and kept
+    after a failure (the failure's message names it)."""
     max_restarts: int = 0
     """Times the agent restarts all workers after a failure."""
     rdzv_endpoint: str | None = None
@@ -84,7 +91,8 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
 
     if spec.num_processes < 1:
         raise UserError("nothing to launch: the plan uses no devices")
-    log_dir = spec.log_dir or tempfile.mkdtemp(prefix="heteroflow-logs-")
+    temporary = spec.log_dir is None  # ours to remove after a success; kept (and named) after a failure
+    log_dir = spec.log_dir or tempfile.mkdtemp(prefix=LOG_DIR_PREFIX)
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     threads = spec.threads_per_process or threads_per_process(os.cpu_count() or 1, spec.num_processes)
     tee = {} if spec.tee_local_rank is None else {spec.tee_local_rank: Std.ALL}
@@ -116,6 +124,11 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
         except RendezvousError as error:
             raise RendezvousFailed(f"the nodes did not meet at {config.rdzv_endpoint} within {timeout} s "
                                    f"({type(error).__name__}: {error}); all rank logs: {log_dir}") from None
+        except BaseException:  # interrupted (Ctrl-C, a signal to the agent) or an error of the agent itself
+            print(f"heteroflow: all rank logs: {log_dir}", file=sys.stderr, flush=True)
+            raise
+    if temporary:
+        shutil.rmtree(log_dir, ignore_errors=True)
     if order is None:
         return results
     # elastic's global ranks of this node are consecutive, in local rank order

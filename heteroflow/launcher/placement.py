@@ -13,6 +13,7 @@ Pure Python.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from heteroflow.backends.rankmap import RankMap
 from heteroflow.config import JobConfig, PlanSpec
@@ -51,12 +52,30 @@ def node_ranks(rank_map: RankMap, node: str) -> NodeRanks:
                      vendor=vendor)
 
 
+def declared_environment(job: JobConfig, nodes: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """The cluster YAML's `env` for the workers of `nodes`, all started by one agent (one environment for
+    all): each node's variables (cluster, device type, node; the most specific wins). Used for a node of a
+    multi-node run and for a single-machine run alike. When an emulated run puts several nodes here and they
+    set a variable differently, the first node's value is kept; the second value is one line each saying so."""
+    env: dict[str, str] = {}
+    setter: dict[str, str] = {}
+    conflicts = []
+    for node in nodes:
+        for name, value in job.cluster.node_env(node).items():
+            if name not in env:
+                env[name], setter[name] = value, node
+            elif env[name] != value:
+                conflicts.append(f"cluster env {name}: node {node} sets {value!r}, node {setter[name]} sets "
+                                 f"{env[name]!r}; every rank here gets {env[name]!r}")
+    return env, conflicts
+
+
 def node_environment(job: JobConfig, plan: PlanSpec, node: str, *, emulate: bool) -> dict[str, str]:
-    """The variables for `node`'s workers: the cluster YAML's `env` (cluster, device type, node; the most
-    specific wins), heteroflow's placement variables, and on real devices the vendor's visible-devices
-    variable when the plan uses only some of the node's devices and the YAML does not set it."""
+    """The variables for `node`'s workers: the cluster YAML's `env` (`declared_environment`), heteroflow's
+    placement variables, and on real devices the vendor's visible-devices variable when the plan uses only
+    some of the node's devices and the YAML does not set it."""
     placement = node_ranks(RankMap.from_plan(plan, job.cluster), node)
-    env = job.cluster.node_env(node)
+    env, _ = declared_environment(job, [node])
     env[ENV_NODE] = node
     env[ENV_NODE_RANKS] = ",".join(map(str, placement.ranks))
     variable = visible_devices_variable(placement.vendor)

@@ -10,15 +10,18 @@ from heteroflow.config import JobConfig
 from heteroflow.data.builtin import open_train_data
 from heteroflow.launcher.launch import LaunchSpec, launch
 from heteroflow.launcher.multinode import run_node
+from heteroflow.launcher.placement import declared_environment, plan_nodes
 from heteroflow.launcher.prepare import (TrainOptions, cache_dir, check_local_devices, check_runnable, choose_plan,
                                          prepare_resume, worker_args)
 from heteroflow.launcher.swap import check_swap_space, sweep_swap
+from heteroflow.models.hf_checkpoint import check_init_from
 from heteroflow.runtime.worker import WorkerResult, run_worker
 
 
 def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     """Run the training job (on this node's ranks with `options.node`); returns each local rank's
     `WorkerResult` by plan rank."""
+    check_init_from(job)  # config.json and the index only: a bad directory stops here, before the planner
     plan = choose_plan(job, options.plan_path)
     check_runnable(plan)
     # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
@@ -36,7 +39,11 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
         args = worker_args(job, plan, options)
         print(f"heteroflow: {len(plan.stages)} stages on {plan.num_devices} "
               f"{'emulated ' if options.emulate else ''}devices, {plan.schedule}, {args.steps} steps", flush=True)
-        spec = LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir, max_restarts=options.max_restarts)
+        env, conflicts = declared_environment(job, plan_nodes(plan))  # the cluster YAML's env, as on a node
+        for line in conflicts:
+            print(f"heteroflow: --emulate runs every node's ranks on this machine: {line}", flush=True)
+        spec = LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir, max_restarts=options.max_restarts,
+                          env=env)
         return launch(spec, run_worker, args)
     finally:
         sweep_swap(swap_root)  # swap directories of ranks killed before they could remove their own

@@ -21,8 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from heteroflow.config import JobConfig
 from heteroflow.config.model import ModelSpec
 from heteroflow.errors import ConfigError, Problem, UserError
+from heteroflow.models.hf_files import CONFIG_FILE, check_inside, index_files, read_hf_config
 from heteroflow.models.shard import shard_of
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -51,23 +53,11 @@ def hf_name(name: str) -> str:
     raise KeyError(f"{name} has no Hugging Face counterpart")
 
 
-def read_hf_config(ckpt_dir: str | Path) -> dict:
-    """The parsed config.json of a checkpoint directory."""
-    path = Path(ckpt_dir, "config.json")
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"train.init_from: {path} not found; point init_from at a Hugging Face model "
-                        "directory (config.json + *.safetensors)") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"train.init_from: cannot read {path}: {exc}") from None
-
-
 def _rope_theta(config: dict) -> float:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
-        raise UserError(f"train.init_from: config.json uses rope scaling {kind!r}; heteroflow supports plain "
+        raise UserError(f"train.init_from: {CONFIG_FILE} uses rope scaling {kind!r}; heteroflow supports plain "
                         "RoPE only")
     return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
 
@@ -76,7 +66,7 @@ def model_spec_from_hf_config(config: dict, *, seq_length: int | None = None) ->
     """The `ModelSpec` a Llama / Qwen2 / Qwen3 config.json describes.
 
     `seq_length` is a training choice, not part of the architecture: it defaults to
-    `max_position_embeddings`.
+    `max_position_embeddings`. `config` has the shape `read_hf_config` checks.
     """
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -142,14 +132,10 @@ class HFCheckpoint:
         self.files = self._tensor_files()
 
     def _tensor_files(self) -> dict[str, Path]:
-        index = self.dir / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.dir / file for name, file in weight_map.items()}
-        files = sorted(self.dir.glob("*.safetensors"))
-        if not files:
-            raise UserError(f"train.init_from: no *.safetensors in {self.dir} (pickled *.bin weights are not "
-                            "read; convert them with safetensors first)")
+        indexed = index_files(self.dir)
+        if indexed is not None:
+            return indexed
+        files = safetensors_files(self.dir)
         out: dict[str, Path] = {}
         for file in files:
             with safe_open(file, framework="pt") as f:
@@ -189,6 +175,33 @@ class HFCheckpoint:
                 param.copy_(shard.read(lambda dim, a, b: _read(stored, dim, a, b)))
                 loaded.append(name)
         return loaded
+
+
+def safetensors_files(ckpt_dir: Path) -> list[Path]:
+    """The `*.safetensors` files of a directory without an index (each inside it), or a `UserError`."""
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"train.init_from: no *.safetensors in {ckpt_dir} (pickled *.bin weights are not "
+                        "read; convert them with safetensors first)")
+    for file in files:
+        check_inside(ckpt_dir, file, source=ckpt_dir, name=file.name)
+    return files
+
+
+def check_init_from(job: JobConfig) -> None:
+    """Before any worker starts: `train.init_from` (when set) is a checkpoint directory whose config.json
+    describes the job's model and whose index, if any, is well formed and names files inside it. Reads
+    only config.json and the index, not the weights; a `UserError` (`ConfigError`) otherwise."""
+    if not job.train.init_from:
+        return
+    ckpt_dir = Path(job.resolve_path(job.train.init_from))
+    if not ckpt_dir.is_dir():
+        raise UserError(f"train.init_from: {ckpt_dir} is not a directory; point init_from at a Hugging Face "
+                        "model directory (config.json + *.safetensors)")
+    spec = model_spec_from_hf_config(read_hf_config(ckpt_dir), seq_length=job.model.seq_length)
+    check_against(job.model, spec, ckpt_dir=str(ckpt_dir))
+    if index_files(ckpt_dir) is None:
+        safetensors_files(ckpt_dir)
 
 
 def _read(stored, dim: int | None, start: int, stop: int) -> torch.Tensor:

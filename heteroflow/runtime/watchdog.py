@@ -4,10 +4,14 @@ hanging. Collective timeouts alone say neither the stage nor the step, and a ran
 collective (a loop, a dead device) never hits one; so collectives get a little longer
 (`collective_timeout_s`) and stay the backstop. A rank that is waiting on its peers when the limit
 passes holds its report back a little, so the rank they wait for (stuck elsewhere) is reported first.
+A rank that cannot report (frozen by SIGSTOP, its process stopped) is named by the ranks waiting for it:
+with a `ProgressBoard`, each rank publishes its step and a heartbeat in the c10d store, and a waiting
+rank reads them when its limit passes and again before it reports (`progress.laggards`).
 
 Also the fault-injection hook the failure tests use: `HETEROFLOW_INJECT_FAULT=kill@RANK:STEP` kills
-plan rank RANK with SIGKILL when it starts step STEP, `hang@RANK:STEP` makes it sleep there; both only
-in a node's first attempt (`TORCHELASTIC_RESTART_COUNT=0`), so a restarted run goes through.
+plan rank RANK with SIGKILL when it starts step STEP, `hang@RANK:STEP` makes it sleep there,
+`freeze@RANK:STEP` stops its process there (SIGSTOP: it can no longer report itself); each only in a
+node's first attempt (`TORCHELASTIC_RESTART_COUNT=0`), so a restarted run goes through.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ import threading
 import time
 import traceback
 
+from heteroflow.runtime.progress import ProgressBoard, laggards
+
 ENV_INJECT_FAULT = "HETEROFLOW_INJECT_FAULT"
+FAULTS = ("kill", "hang", "freeze")
+"""The kinds of `HETEROFLOW_INJECT_FAULT`."""
 EXIT_STUCK = 3
 """Exit status of a rank the watchdog stopped."""
 
@@ -38,11 +46,16 @@ def collective_timeout_s(step_limit_s: float) -> float:
 class StepWatchdog:
     """Watches one rank's steps from a daemon thread: `begin(step)` at each step, `stop()` at the end."""
 
-    def __init__(self, *, limit_s: float, rank: int, where: str, poll_s: float | None = None):
+    def __init__(self, *, limit_s: float, rank: int, where: str, poll_s: float | None = None,
+                 progress: ProgressBoard | None = None):
         self.limit_s = limit_s
         self.rank = rank
         self.where = where
         """`stage 1 (dp 0, tp 1) on node b`: how the report names this rank's place in the plan."""
+        self.progress = progress
+        """Where every rank's step and heartbeat are (None: the report names this rank only)."""
+        self._before: dict | str | None = None  # the first read of the board in a late step (or why it failed)
+        self._before_at = 0.0
         self._step: int | None = None
         self._started = 0.0
         self._main = threading.main_thread().ident
@@ -55,17 +68,53 @@ class StepWatchdog:
         """Step `step` starts now."""
         self._started = time.monotonic()
         self._step = step
+        self._before = None
+        if self.progress is not None:
+            self.progress.enter(step)
         inject_fault(self.rank, step)
 
     def stop(self) -> None:
         """No more steps to watch."""
         self._step = None
         self._stop.set()
+        if self.progress is not None:
+            self.progress.close()
 
-    def report(self, step: int, elapsed_s: float) -> str:
-        """The line that names the stuck rank."""
+    def report(self, step: int, elapsed_s: float, held_up_by: list[str] | None = None, note: str = "") -> str:
+        """The line that names the stuck rank: the ranks in `held_up_by` (phrases from `progress.laggards`)
+        when there are any, else this one; `note` is added at the end."""
+        limit = f"over the step limit of {self.limit_s:g} s (--timeout)"
+        end = f"; {note}" if note else ""
+        if held_up_by:
+            them = "it" if len(held_up_by) == 1 else "them"
+            return (f"heteroflow watchdog: {'; '.join(held_up_by)}; rank {self.rank} ({self.where}) has waited "
+                    f"for {them} in step {step} for {elapsed_s:.1f} s, {limit}; it is {self._doing()}{end}")
         return (f"heteroflow watchdog: rank {self.rank} ({self.where}) has been in step {step} for "
-                f"{elapsed_s:.1f} s, over the step limit of {self.limit_s:g} s (--timeout); it is {self._doing()}")
+                f"{elapsed_s:.1f} s, {limit}; it is {self._doing()}{end}")
+
+    def _read_board(self) -> dict | str:
+        """Every other rank's progress, or why it could not be read."""
+        try:
+            return self.progress.read()
+        except (RuntimeError, ValueError) as error:  # the store did not answer within its timeout
+            return (f"the other ranks' progress could not be read from the store ({type(error).__name__}); the "
+                    "rank hosting it may be the one frozen")
+
+    def _beats_seen(self) -> bool:
+        """Whether a live rank has had time for two heartbeats since the board's first read."""
+        return self.progress is None or time.monotonic() - self._before_at >= 2.5 * self.progress.beat_s
+
+    def _held_up_by(self, step: int) -> tuple[list[str], str]:
+        """The ranks this (waiting) rank waits for, from two reads of the board, and a note when the board
+        could not be read."""
+        if self.progress is None:
+            return [], ""
+        after = self._read_board()
+        before = self._before if self._before is not None else after
+        for failed in (after, before):
+            if isinstance(failed, str):
+                return [], failed
+        return laggards(before, after, step=step), ""
 
     def _stack(self) -> list[traceback.FrameSummary]:
         frame = sys._current_frames().get(self._main)
@@ -99,9 +148,14 @@ class StepWatchdog:
             elapsed = time.monotonic() - self._started
             if elapsed <= self.limit_s or self._step != step:
                 continue
-            if self._waiting() and elapsed <= self.limit_s + grace_s(self.limit_s) / 2:
+            waiting = self._waiting()
+            if waiting and self.progress is not None and self._before is None:
+                # heartbeats that stop between this read and the report's: frozen ranks
+                self._before, self._before_at = self._read_board(), time.monotonic()
+            if waiting and (elapsed <= self.limit_s + grace_s(self.limit_s) / 2 or not self._beats_seen()):
                 continue  # let the rank this one waits for report first
-            self._fail(self.report(step, elapsed))
+            held_up_by, note = self._held_up_by(step) if waiting else ([], "")
+            self._fail(self.report(step, elapsed, held_up_by, note))
 
     def _fail(self, report: str) -> None:
         """Print the report, leave it where the elastic agent looks for a rank's error, and exit."""
@@ -132,11 +186,12 @@ def parse_fault(text: str) -> tuple[str, int, int]:
     try:
         kind, _, at = text.partition("@")
         rank, _, step = at.partition(":")
-        if kind not in ("kill", "hang"):
+        if kind not in FAULTS:
             raise ValueError(kind)
         return kind, int(rank), int(step)
     except ValueError:
-        raise ValueError(f"{ENV_INJECT_FAULT}={text!r}: expected kill@RANK:STEP or hang@RANK:STEP") from None
+        raise ValueError(f"{ENV_INJECT_FAULT}={text!r}: expected KIND@RANK:STEP with KIND one of "
+                         f"{', '.join(FAULTS)}") from None
 
 
 def inject_fault(rank: int, step: int) -> None:
@@ -151,5 +206,8 @@ def inject_fault(rank: int, step: int) -> None:
     print(f"heteroflow: injected fault: {kind} rank {rank} at step {step}", file=sys.stderr, flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # continued (SIGCONT): go on
     while True:
         time.sleep(3600)

@@ -14,6 +14,7 @@ from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
+from heteroflow.runtime.progress import world_progress_board
 from heteroflow.runtime.user_errors import TrainingDiverged, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
@@ -129,8 +130,10 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     writer = MetricsWriter(args.metrics_path) if rank == 0 else None
     progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
-    watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank,
-                            where=f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}")
+    where = f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}"
+    # Every rank's step and heartbeat in the store: a rank waiting past the limit names those it waits for.
+    watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank, where=where,
+                            progress=world_progress_board(rank=rank, where=where))
     try:
         for step in range(first_step, args.steps):
             watchdog.begin(step)

@@ -47,6 +47,7 @@ def test_collectives_wait_longer_than_the_step_limit():
 
 def test_fault_hook_syntax():
     assert parse_fault("kill@3:2") == ("kill", 3, 2) and parse_fault("hang@0:0") == ("hang", 0, 0)
+    assert parse_fault("freeze@1:4") == ("freeze", 1, 4)
     for bad in ("kill", "explode@1:1", "kill@x:1", "hang@1"):
-        with pytest.raises(ValueError, match="expected kill@RANK:STEP or hang@RANK:STEP"):
+        with pytest.raises(ValueError, match="expected KIND@RANK:STEP with KIND one of kill, hang, freeze"):
             parse_fault(bad)

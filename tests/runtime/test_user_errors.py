@@ -58,10 +58,12 @@ def test_a_diverging_run_stops_before_applying_the_bad_step_and_exits_2(tmp_path
     job = write_yaml(DIVERGING_JOB % "checkpoint: {dir: ckpt, interval: 1, keep: 10}")
     metrics = tmp_path / "metrics.jsonl"
     result = subprocess.run([sys.executable, "-m", "heteroflow", "train", str(job), "--emulate", "--metrics",
-                             str(metrics)], capture_output=True, text=True, timeout=600, cwd=REPO)
+                             str(metrics), "--log-dir", str(tmp_path / "logs")],
+                            capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "training diverged" in result.stderr and "that step was not applied" in result.stderr
+    assert str(tmp_path / "logs") in result.stderr  # where the ranks' logs (and elastic's tracebacks) are
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
     diverged_at = len(records)  # the step that saw the non-finite figures wrote no record and no checkpoint
