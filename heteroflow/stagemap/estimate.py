@@ -156,8 +156,9 @@ def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageH
     (the earlier stage), assuming the later stage converts them to its precision on arrival, so that the
     gradient of its input goes back in the dtype the input came in."""
     size = job.model.seq_length * job.model.hidden_size * micro_batch_size
-    return [boundary_s(size * dtype_bytes(a.precision), hardware, sender=a.device, receiver=b.device, sender_devices=a.num_devices,
-                       receiver_devices=b.num_devices, sender_nodes=na, receiver_nodes=nb)
+    return [boundary_s(size * dtype_bytes(a.precision), hardware, sender=a.device, receiver=b.device,
+                       sender_devices=a.num_devices, receiver_devices=b.num_devices, sender_nodes=na,
+                       receiver_nodes=nb)
             for (a, na), (b, nb) in zip(placed, placed[1:])]
 
 
