@@ -44,6 +44,11 @@ class DeviceSpec:
         assert precision in PRECISIONS, precision
         return {"bf16": self.tflops_bf16, "fp16": self.tflops_fp16, "fp32": self.tflops_fp32}[precision]
 
+    def supports(self, precision: str) -> bool:
+        """Whether the device can train in `precision`: fp32 always (priced from the 16-bit peak when no fp32
+        rate is published), bf16 and fp16 when their peak is known (Ascend 910A has no bf16)."""
+        return precision == "fp32" or self.peak_tflops(precision) is not None
+
     def to_dict(self) -> dict:
         """Plain data for JSON/YAML output."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}

@@ -233,9 +233,9 @@ def _check_precision(cluster: ClusterSpec, device_type: str, precision: str | No
     the job's `train.precision` when it sets none."""
     spec = cluster.device_types[device_type]
     wanted = precision or train.precision
-    if wanted == "fp32" or spec.peak_tflops(wanted) is not None:
+    if spec.supports(wanted):
         return
-    supported = " or ".join([p for p in ("bf16", "fp16") if spec.peak_tflops(p) is not None] + ["fp32"])
+    supported = " or ".join(p for p in PRECISIONS if spec.supports(p))
     if precision is not None:
         problems.add(sec.at("precision"), f"{device_type} does not support {wanted}; set this stage's precision to "
                      f"{supported}, or move the stage to other devices")

@@ -7,18 +7,22 @@ from time import perf_counter
 from heteroflow.config.job import JobConfig
 from heteroflow.stagemap.baselines import megatron_uniform
 from heteroflow.stagemap.estimate import evaluate_plan, job_hardware, resolve_profile
+from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.explain import explain_infeasible
 from heteroflow.stagemap.profile import Profile
 from heteroflow.stagemap.report import Baseline, PlanReport
 from heteroflow.stagemap.search import run_search
-from heteroflow.stagemap.space import SearchOptions
+from heteroflow.stagemap.space import SearchOptions, stage_precisions
 
 
 def search_plan(job: JobConfig, *, profile: Profile | None = None, options: SearchOptions | None = None) -> PlanReport:
     """Find the plan with the highest predicted throughput for `job` (its `plan:` section is ignored).
 
+    Every stage computes in `train.precision` unless its device type cannot (`space.stage_precisions`): then
+    it gets the precision of the fastest plan among those the type supports, written in the plan.
     The result holds the best plan's estimate, the `megatron_uniform` and `best_single_type` baselines and
-    the search time; when nothing fits, `problems` explains which device type lacks how much memory.
+    the search time; when nothing fits, `problems` explains which device type lacks how much memory;
+    `notes` names the device types whose precision differs from `train.precision` or that were left out.
     """
     options = options or SearchOptions()
     start = perf_counter()
@@ -40,4 +44,21 @@ def search_plan(job: JobConfig, *, profile: Profile | None = None, options: Sear
     }
     problems = () if estimate is not None else tuple(explain_infeasible(job, hardware))
     stats = {"templates": result.templates, "templates_solved": result.solved}
-    return PlanReport(estimate=estimate, baselines=baselines, search_time_s=elapsed, problems=problems, stats=stats)
+    return PlanReport(estimate=estimate, baselines=baselines, search_time_s=elapsed, problems=problems,
+                      notes=tuple(precision_notes(job, hardware)), stats=stats)
+
+
+def precision_notes(job: JobConfig, hardware: Hardware) -> list[str]:
+    """One line per device type of the cluster that cannot train in `train.precision`: the precisions its
+    stages may get instead, or that it is left out."""
+    notes = []
+    for device_type in sorted({n.device for n in job.cluster.nodes}):
+        if hardware.device(device_type, job.train.precision) is not None:
+            continue
+        others = stage_precisions(job, hardware, device_type)
+        if others:
+            notes.append(f"{device_type} cannot train in {job.train.precision} (train.precision): its stages "
+                         f"compute in {' or '.join(others)}, whichever gives the faster plan")
+        else:
+            notes.append(f"{device_type} cannot train in any precision: its nodes are left out")
+    return notes

@@ -4,11 +4,15 @@
   cut into p equal pipeline stages with an even layer split (p divides the layers), the same tp and dp on
   every stage and the same sp / ZeRO / recompute / offload settings, 1F1B; the best such plan.
 - `best_single_type`: the best plan the planner finds using devices of one type only (same search space).
+
+Both give each stage the precision the planner would (`space.stage_precisions`): `train.precision`, or on
+a device type that cannot train in it, the best of those it can.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,7 +27,7 @@ from heteroflow.layout import ParallelLayout, tp_valid
 from heteroflow.stagemap.layout import offload_allowed, searched
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time
-from heteroflow.stagemap.space import SearchOptions, micro_batch_sizes
+from heteroflow.stagemap.space import SearchOptions, layout_precision, micro_batch_sizes, stage_precisions
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +72,23 @@ def _tp_inside_nodes(chunk: _Chunk, tp: int) -> bool:
 
 def megatron_uniform(job: JobConfig, hardware: Hardware, options: SearchOptions) -> tuple[float, PlanSpec] | str:
     """The best Megatron-style uniform plan as (step time, plan), or the reason there is none."""
-    if any(n.device not in hardware.devices for n in job.cluster.nodes):
-        return f"it must use every device, and some cannot train in {job.train.precision}"
+    types = sorted({n.device for n in job.cluster.nodes})
+    if not all(hardware.precisions(t) for t in types):
+        return "it must use every device, and some device types cannot train in any precision"
+    # One precision per device type: each choice `stage_precisions` leaves (usually just one).
+    choices = [dict(zip(types, combo)) for combo in itertools.product(*(stage_precisions(job, hardware, t)
+                                                                        for t in types))]
     total, layers = job.cluster.num_devices, job.model.num_layers
-    combos = []  # (bound, p, mbs, tp, chunks, shapes, recv)
-    for p in [d for d in range(1, layers + 1) if layers % d == 0 and total % d == 0]:
+    combos = []  # (bound, p, mbs, tp, chunks, shapes)
+    for p, precision in itertools.product([d for d in range(1, layers + 1) if layers % d == 0 and total % d == 0],
+                                          choices):
         chunks = _chunks(job, p)
         if chunks is None:
             continue
         size = total // p
-        shapes = [StageHardware(device=hardware.devices[c.device_type], num_devices=size, num_nodes=len(c.nodes),
-                                node_count=max(job.cluster.node(n).count for n in c.nodes)) for c in chunks]
+        shapes = [StageHardware(device=hardware.device(c.device_type, precision[c.device_type]), num_devices=size,
+                                num_nodes=len(c.nodes), node_count=max(job.cluster.node(n).count for n in c.nodes))
+                  for c in chunks]
         for mbs in micro_batch_sizes(job, options):
             m = job.train.global_batch_size // mbs
             for tp in range(1, size + 1):
@@ -110,8 +120,8 @@ def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardwar
             if searched(lay, job.model, micro_batch_size=mbs)]
     worst = 0.0
     for shape in set(shapes):
-        rate = min(c.fwd_layer_s + c.bwd_layer_s for c in stage_costs_many(job.model, job.train.precision, shape,
-                                                                               fast, mbs, hardware))
+        rate = min(c.fwd_layer_s + c.bwd_layer_s for c in stage_costs_many(job.model, shape, _at(job, fast, shape),
+                                                                               mbs, hardware))
         worst = max(worst, rate)
     return m * per_stage * worst
 
@@ -128,7 +138,7 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
     if not layouts:
         return None
     p = len(shapes)
-    coef = {s: np.array([coefficients(c) for c in stage_costs_many(job.model, job.train.precision, s, layouts, mbs,
+    coef = {s: np.array([coefficients(c) for c in stage_costs_many(job.model, s, _at(job, layouts, s), mbs,
                                                                    hardware)]) for s in set(shapes)}
     n = len(layouts)
     fwd, bwd, tail = np.zeros((n, p)), np.zeros((n, p)), np.zeros((n, p))
@@ -157,5 +167,11 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
         return None
     lay = layouts[best[1]]
     stages = tuple(StageSpec(devices=c.devices, device_refs=c.refs, device_type=c.device_type, layers=per_stage,
-                             layout=lay) for c in chunks)
+                             layout=_at(job, [lay], s)[0]) for c, s in zip(chunks, shapes))
     return best[0], PlanSpec(stages=stages, schedule="1f1b", micro_batch_size=mbs)
+
+
+def _at(job: JobConfig, layouts: list[ParallelLayout], shape: StageHardware) -> list[ParallelLayout]:
+    """`layouts` for a stage computing in `shape`'s precision."""
+    precision = layout_precision(job, shape.precision)
+    return [replace(lay, precision=precision) for lay in layouts]

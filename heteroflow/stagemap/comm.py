@@ -8,7 +8,8 @@ Assumptions (documented, used everywhere):
 - A DP group inside one node uses the intra-node link; one that spans nodes is a ring through the nodes'
   NICs, which the tp * cp concurrent DP rings of the stage share.
 - The boundary transfer moves one micro-batch's hidden states (micro_batch_size x seq x hidden) forward and
-  the same amount of gradient backward. Its time depends only on the hardware of the two stages, never on
+  the same amount of gradient backward, both in the dtype of the stage that sends the hidden states (the
+  earlier one; `estimate.boundary_times`). Its time depends only on the hardware of the two stages, never on
   their layouts: the remap spreads the bytes over every device pair (inside a node), over the NICs of the
   nodes involved (between nodes), or, between vendors, through host memory: device to host on the
   sender, the network, host to device on the receiver, one hop after the other (store and forward).

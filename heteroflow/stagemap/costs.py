@@ -1,5 +1,10 @@
 """`StageCosts`: one stage's forward/backward time per micro-batch, per-step tail and memory per device.
 
+A stage is priced at its own precision, the one its device model computes in (`StageHardware.device`,
+built for `ParallelLayout.compute_precision`): GEMMs at that precision's peak or measured curve, weights,
+activations and collectives at its element size (`memory.dtype_bytes`), training state at
+`memory.state_bytes_per_param`.
+
 Everything is affine in the stage's layer count (plus first/last-stage extras), so the planner can price a
 layout once and read off any layer count; `evaluate_plan` uses the same numbers.
 
@@ -31,8 +36,9 @@ from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per
 from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.layout import ParallelLayout
-from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, memory_from_parts,
-                                        memory_parts, memory_total_from_parts, state_bytes_per_param)
+from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, dtype_bytes,
+                                        memory_from_parts, memory_parts, memory_total_from_parts,
+                                        state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
 """A fused AdamW step (CPU Adam of offloaded optimizer state): read grad, master, two moments; write three."""
@@ -46,7 +52,8 @@ FLAT_BUFFER_BYTES_PER_PARAM = 20
 
 @dataclass(frozen=True, slots=True)
 class StageHardware:
-    """The shape of one stage's devices: their model, count, how many nodes they span, devices per node."""
+    """The shape of one stage's devices: their model (in the stage's precision), count, how many nodes they
+    span, devices per node."""
 
     device: DeviceModel
     num_devices: int
@@ -57,6 +64,11 @@ class StageHardware:
     @property
     def single_node(self) -> bool:
         return self.num_nodes == 1
+
+    @property
+    def precision(self) -> str:
+        """The precision the stage computes in (its device model's)."""
+        return self.device.precision
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,36 +111,42 @@ class StageCosts:
         return self.memory_total.at(layers, in_flight, first, last)
 
 
-def stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: ParallelLayout, micro_batch_size: int,
+def stage_costs(model: ModelSpec, hw: StageHardware, layout: ParallelLayout, micro_batch_size: int,
                 hardware: Hardware) -> StageCosts:
-    """The cost model of a stage (cached: the planner asks for the same combinations many times)."""
-    return _stage_costs(model, precision, hw, layout, micro_batch_size, hardware.inter_node_gb_per_s,
+    """The cost model of a stage computing in `hw.precision` (cached: the planner asks for the same
+    combinations many times). A layout that names a precision must name that one."""
+    _check_precision(hw, layout)
+    return _stage_costs(model, hw, layout, micro_batch_size, hardware.inter_node_gb_per_s,
                         hardware.inter_latency_s, hardware.emulate)
 
 
+def _check_precision(hw: StageHardware, layout: ParallelLayout) -> None:
+    assert layout.precision in (None, hw.precision), (layout.precision, hw.precision)
+
+
 @lru_cache(maxsize=200_000)
-def _stage_costs(model: ModelSpec, precision: str, hw: StageHardware, layout: ParallelLayout, mbs: int,
+def _stage_costs(model: ModelSpec, hw: StageHardware, layout: ParallelLayout, mbs: int,
                  inter_gb_per_s: float, inter_latency_s: float, emulate: bool) -> StageCosts:
-    b = _base(model, precision, hw, layout.tp, layout.dp, layout.cp, layout.sp, mbs, inter_gb_per_s,
-              inter_latency_s, emulate)
-    return costs_from_base(model, precision, hw, layout, b)
+    b = _base(model, hw, layout.tp, layout.dp, layout.cp, layout.sp, mbs, inter_gb_per_s, inter_latency_s, emulate)
+    return costs_from_base(hw, layout, b)
 
 
-def stage_costs_many(model: ModelSpec, precision: str, hw: StageHardware, layouts: list[ParallelLayout], mbs: int,
+def stage_costs_many(model: ModelSpec, hw: StageHardware, layouts: list[ParallelLayout], mbs: int,
                      hardware: Hardware) -> list[StageCosts]:
     """`stage_costs` for many layouts of one stage shape (the shared part computed once per tp/dp/cp/sp)."""
     bases: dict[tuple, _Base] = {}
     out = []
     for lay in layouts:
+        _check_precision(hw, lay)
         key = (lay.tp, lay.dp, lay.cp, lay.sp)
         if key not in bases:
-            bases[key] = _base(model, precision, hw, lay.tp, lay.dp, lay.cp, lay.sp, mbs,
+            bases[key] = _base(model, hw, lay.tp, lay.dp, lay.cp, lay.sp, mbs,
                                hardware.inter_node_gb_per_s, hardware.inter_latency_s, hardware.emulate)
-        out.append(costs_from_base(model, precision, hw, lay, bases[key]))
+        out.append(costs_from_base(hw, lay, bases[key]))
     return out
 
 
-def costs_from_base(model: ModelSpec, precision: str, hw: StageHardware, layout: ParallelLayout, b: "_Base") -> StageCosts:
+def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> StageCosts:
     """Apply ZeRO, recompute and offload to the shared part of a stage's costs."""
     compute_fwd = b.compute_fwd
     compute_bwd = b.compute_bwd
@@ -200,28 +218,29 @@ class _Base:
 
 
 @lru_cache(maxsize=20_000)
-def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int, cp: int, sp: bool, mbs: int,
+def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bool, mbs: int,
           inter_gb_per_s: float, inter_latency_s: float, emulate: bool) -> _Base:
-    hardware = Hardware(devices={}, inter_node_gb_per_s=inter_gb_per_s, inter_latency_s=inter_latency_s,
+    hardware = Hardware(models={}, inter_node_gb_per_s=inter_gb_per_s, inter_latency_s=inter_latency_s,
                         emulate=emulate)
-    dev = hw.device
+    dev, precision = hw.device, hw.precision
     wb, gb, ob = state_bytes_per_param(precision)
+    act = dtype_bytes(precision)
     tokens = mbs / dp * model.seq_length / cp
-    lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=wb)
+    lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
     intra, intra_lat = dev.collective_link()
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
-    act_bytes = tokens * model.hidden_size * wb
+    act_bytes = tokens * model.hidden_size * act
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
     # Context parallelism: each rank passes its K/V chunk around the ring (twice in the backward).
-    kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * wb
+    kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * act
     p2p, p2p_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
     cp_fwd = (cp - 1) * kv_chunk / (p2p * 1e9) + (cp - 1) * p2p_lat if cp > 1 else 0.0
     attn_fwd = max(lc.attention_s, cp_fwd)
     attn_bwd = max(lc.attention_backward_s, 2 * cp_fwd)
     p_layer = layer_params_per_rank(model, tp)
     # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
-    emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=wb)
-    head_f, head_b = head_s(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=wb)
+    emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=act)
+    head_f, head_b = head_s(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
     emb_f += all_reduce_s(act_bytes, tp, intra, intra_lat)
     if sp:
         head_f += all_gather_s(act_bytes, tp, intra, intra_lat)
@@ -240,7 +259,7 @@ def _base(model: ModelSpec, precision: str, hw: StageHardware, tp: int, dp: int,
                  p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, dp, dp_bw, dp_lat),
                  scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
-                 stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=wb)
+                 stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
                  memory=memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
                                      capacity_gib=dev.memory_gib))

@@ -17,25 +17,37 @@ from dataclasses import replace
 from heteroflow.config.catalog import CATALOG
 from heteroflow.config.device import DeviceSpec
 from heteroflow.config.model import ModelSpec
+from heteroflow.layout import PRECISIONS
 from heteroflow.stagemap.compute import layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware, apply_measurements, device_model, threads_per_process
+from heteroflow.stagemap.memory import dtype_bytes
 from heteroflow.stagemap.profile import REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile
 
 
-def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, precision: str, *,
+def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, *,
                    profile: Profile | None = None, emulate: bool = False, num_ranks: int = 1,
                    cores: int = 1) -> Hardware:
-    """Device models for every device type of a cluster (types that cannot run `precision` left out).
-    Emulated: `num_ranks` local processes on a host with `cores` cores."""
+    """Device models for every device type of a cluster, one per precision it can train in
+    (`DeviceSpec.supports`; a stage is priced at its own precision). Emulated: `num_ranks` local processes on a
+    host with `cores` cores, each device type priced as the local CPU computing in that precision."""
+    models: dict[str, dict[str, DeviceModel]] = {}
     if not emulate:
-        models = {name: m for name, spec in device_types.items()
-                  if (m := device_model(spec, precision, profile)) is not None}
-        return Hardware(devices=models, inter_node_gb_per_s=inter_node_gb_per_s)
+        for name, spec in device_types.items():
+            found = {p: m for p in PRECISIONS if spec.supports(p) and (m := device_model(spec, p, profile)) is not None}
+            if found:
+                models[name] = found
+        return Hardware(models=models, inter_node_gb_per_s=inter_node_gb_per_s)
     threads = threads_per_process(cores, num_ranks)
-    local = emulated_device(precision, profile=profile, num_ranks=num_ranks, cores=cores)
-    models = {name: replace(local, name=name, vendor=spec.vendor) for name, spec in device_types.items()}
-    return Hardware(devices=models, inter_node_gb_per_s=local.intra_node_gb_per_s,
-                    inter_latency_s=local.intra_latency_s, emulate=True, cores=max(1, cores),
+    local: dict[str, DeviceModel] = {}
+    for name, spec in device_types.items():
+        for p in PRECISIONS:
+            if spec.supports(p):
+                if p not in local:
+                    local[p] = emulated_device(p, profile=profile, num_ranks=num_ranks, cores=cores)
+                models.setdefault(name, {})[p] = replace(local[p], name=name, vendor=spec.vendor)
+    link = local.get("fp32") or emulated_device("fp32", profile=profile, num_ranks=num_ranks, cores=cores)
+    return Hardware(models=models, inter_node_gb_per_s=link.intra_node_gb_per_s,
+                    inter_latency_s=link.intra_latency_s, emulate=True, cores=max(1, cores),
                     threads_per_rank=threads)
 
 
@@ -86,7 +98,7 @@ def in_block_slowdown(one_thread: DeviceModel, thread: ThreadProfile, precision:
     batch = shape.pop("micro_batch_size")
     spec = ModelSpec(num_layers=1, vocab_size=16, **shape)
     lc = layer_forward(spec, one_thread, tokens=batch * spec.seq_length, tp=1, sp=False,
-                       dtype_bytes=4 if precision == "fp32" else 2)
+                       dtype_bytes=dtype_bytes(precision))
     predicted = 3 * lc.gemm_s + lc.attention_s + lc.attention_backward_s + 3 * lc.elementwise_s
     kernels = sum(measured) - lc.overhead_s - lc.overhead_backward_s
     return kernels / predicted if kernels > 0 and predicted > 0 else 1.0

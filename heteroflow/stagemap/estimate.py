@@ -1,4 +1,6 @@
-"""`evaluate_plan`: price one explicit plan with the cost model; `PlanEstimate`: the figures per stage."""
+"""`evaluate_plan`: price one explicit plan with the cost model; `PlanEstimate`: the figures per stage.
+
+Each stage is priced at its own precision: its `precision`, else the job's `train.precision`."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.emulation import build_hardware
 from heteroflow.stagemap.hardware import Hardware
-from heteroflow.stagemap.memory import GIB
+from heteroflow.stagemap.memory import GIB, dtype_bytes
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time, shared_makespan, simulate_shared
 from heteroflow.stagemap.profile import Profile, load_profile
 
@@ -31,6 +33,8 @@ class StageEstimate:
     layers: tuple[int, int]
     """[first, last_exclusive)."""
     layout: ParallelLayout
+    precision: str
+    """The precision the stage computes in (its layout's, else `train.precision`)."""
     forward_s: float
     """Forward of one micro-batch, including receiving its input from the previous stage."""
     backward_s: float
@@ -54,7 +58,7 @@ class StageEstimate:
         return {"devices": list(self.devices), "device_type": self.device_type, "num_devices": self.num_devices,
                 "layers": list(self.layers), "tp": lay.tp, "dp": lay.dp, "cp": lay.cp, "sp": lay.sp,
                 "zero": lay.zero, "recompute": lay.recompute, "offload": lay.offload.to_dict(),
-                "memory_peak_gib": round(self.memory_peak_gib, 3),
+                "precision": self.precision, "memory_peak_gib": round(self.memory_peak_gib, 3),
                 "memory_capacity_gib": round(self.memory_capacity_gib, 3),
                 "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
                 "forward_s": self.forward_s, "backward_s": self.backward_s,
@@ -109,18 +113,19 @@ def resolve_profile(job: JobConfig, profile: Profile | None) -> Profile | None:
 
 
 def job_hardware(job: JobConfig, profile: Profile | None, *, emulate: bool = False, num_ranks: int = 1) -> Hardware:
-    """Device models of the job's cluster for its precision (emulated: `num_ranks` processes on the profiled
+    """Device models of the job's cluster, per precision (emulated: `num_ranks` processes on the profiled
     host, or on this machine when there is no profile)."""
     cores = profile.host.cpu_cores if profile is not None else (os.cpu_count() or 1)
-    return build_hardware(job.cluster.device_types, job.cluster.inter_node_gb_per_s, job.train.precision,
+    return build_hardware(job.cluster.device_types, job.cluster.inter_node_gb_per_s,
                           profile=profile, emulate=emulate, num_ranks=num_ranks, cores=cores)
 
 
 def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tuple[StageHardware, frozenset[str]]:
-    """The shape of an explicit stage's devices, and the nodes they are on."""
-    device = hardware.devices.get(stage.device_type)
+    """The shape of an explicit stage's devices (modelled in the stage's precision), and the nodes they are on."""
+    precision = stage.layout.compute_precision(job.train.precision)
+    device = hardware.device(stage.device_type, precision)
     if device is None:
-        raise UserError(f"device type {stage.device_type!r} cannot train in {job.train.precision}")
+        raise UserError(f"device type {stage.device_type!r} cannot train in {precision}")
     nodes = frozenset(r.node for r in stage.device_refs)
     return StageHardware(device=device, num_devices=stage.num_devices, num_nodes=len(nodes),
                          node_count=max(job.cluster.node(n).count for n in nodes)), nodes
@@ -138,8 +143,7 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
     hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices)
     placed = [stage_hardware(job, hardware, s) for s in plan.stages]
     hws = [hw for hw, _ in placed]
-    costs = [stage_costs(job.model, job.train.precision, hw, s.layout, plan.micro_batch_size, hardware)
-             for hw, s in zip(hws, plan.stages)]
+    costs = [stage_costs(job.model, hw, s.layout, plan.micro_batch_size, hardware) for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
     return assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
                     threads_per_rank=hardware.threads_per_rank)
@@ -147,11 +151,14 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
 
 def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageHardware, frozenset[str]]],
                    micro_batch_size: int) -> list[float]:
-    """One-way transfer time between each pair of neighbouring stages (stage shape, nodes)."""
-    dtype = 4 if job.train.precision == "fp32" else 2
-    num_bytes = micro_batch_size * job.model.seq_length * job.model.hidden_size * dtype
-    return [boundary_s(num_bytes, hardware, sender=a.device, receiver=b.device, sender_devices=a.num_devices,
-                       receiver_devices=b.num_devices, sender_nodes=na, receiver_nodes=nb)
+    """One-way transfer time between each pair of neighbouring stages (stage shape, nodes). Between stages of
+    different precisions both directions are priced at the element size of the sender of the hidden states
+    (the earlier stage), assuming the later stage converts them to its precision on arrival, so that the
+    gradient of its input goes back in the dtype the input came in."""
+    size = job.model.seq_length * job.model.hidden_size * micro_batch_size
+    return [boundary_s(size * dtype_bytes(a.precision), hardware, sender=a.device, receiver=b.device,
+                       sender_devices=a.num_devices, receiver_devices=b.num_devices, sender_nodes=na,
+                       receiver_nodes=nb)
             for (a, na), (b, nb) in zip(placed, placed[1:])]
 
 
@@ -172,6 +179,7 @@ def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: li
         peak = c.memory_bytes(layers, f, first, last) / GIB
         est = StageEstimate(index=k, devices=stage.devices, device_type=stage.device_type,
                             num_devices=stage.num_devices, layers=(first_layer, last_layer), layout=stage.layout,
+                            precision=hw.precision,
                             forward_s=fwd[-1], backward_s=bwd[-1], recv_forward_s=recv_f, recv_backward_s=recv_b,
                             tail_s=tails[-1], in_flight=f, memory_peak_gib=peak,
                             memory_capacity_gib=hw.device.memory_gib,
@@ -226,11 +234,11 @@ def fit_hints(job: JobConfig, est: StageEstimate, hw: StageHardware, plan: PlanS
     frugal = replace(lay, zero=3 if lay.dp > 1 else lay.zero, recompute="full", sp=lay.tp > 1 and job.model.seq_length % lay.tp == 0,
                      offload=OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"))
     options.append(("all of these with parameters offloaded too", frugal))
-    hardware = Hardware(devices={}, inter_node_gb_per_s=job.cluster.inter_node_gb_per_s)
+    hardware = Hardware(models={}, inter_node_gb_per_s=job.cluster.inter_node_gb_per_s)
     layers = est.layers[1] - est.layers[0]
     hints = []
     for name, alt in options:
-        c = stage_costs(job.model, job.train.precision, hw, alt, plan.micro_batch_size, hardware)
+        c = stage_costs(job.model, hw, alt, plan.micro_batch_size, hardware)
         peak = c.memory_bytes(layers, est.in_flight, first, last) / GIB
         if peak < est.memory_peak_gib - 0.05:
             hints.append(f"{name}: {peak:.1f} GiB{' (fits)' if peak <= est.memory_capacity_gib else ''}")

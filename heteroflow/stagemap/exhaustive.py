@@ -33,7 +33,7 @@ def exhaustive_search(job: JobConfig, *, profile: Profile | None = None, options
     start = perf_counter()
     profile = resolve_profile(job, profile)
     hardware = job_hardware(job, profile)
-    classes = device_classes(job, set(hardware.devices), options.device_types)
+    classes = device_classes(job, hardware, options.device_types)
     best: tuple[float, PlanSpec | None] = (float("inf"), None)
     priced = 0
     layers = job.model.num_layers
@@ -71,7 +71,7 @@ def space_size(job: JobConfig, *, options: SearchOptions | None = None) -> int:
     import math
     options = options or SearchOptions()
     hardware = job_hardware(job, resolve_profile(job, None))
-    classes = device_classes(job, set(hardware.devices), options.device_types)
+    classes = device_classes(job, hardware, options.device_types)
     total = 0
     for mbs in micro_batch_sizes(job, options):
         counts = {}

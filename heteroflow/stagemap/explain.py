@@ -11,19 +11,21 @@ from heteroflow.stagemap.hardware import Hardware
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.layout import tp_choices
 from heteroflow.stagemap.memory import GIB
+from heteroflow.stagemap.space import layout_precision, stage_precisions
 
 
 def explain_infeasible(job: JobConfig, hardware: Hardware) -> list[str]:
     """One line per device type: the smallest per-device memory a one-node stage needs for its share of
     the layers (spread over every node of the cluster, micro-batch 1, 1F1B's first stage holding a
     micro-batch per stage in flight), under the best layout without and with offload, against the
-    capacity, and what would make it fit."""
+    capacity, and what would make it fit. Each device type is priced at the first precision the planner
+    tries on it (`stage_precisions`: `train.precision`, or the first its device type supports)."""
     lines = []
-    unusable = sorted({n.device for n in job.cluster.nodes} - set(hardware.devices))
+    unusable = sorted({n.device for n in job.cluster.nodes} - set(hardware.models))
     if unusable:
-        lines.append(f"{', '.join(unusable)} cannot train in {job.train.precision}; set train.precision to a "
-                     "precision they support or remove those nodes")
-    usable = [n for n in job.cluster.nodes if n.device in hardware.devices]
+        lines.append(f"{', '.join(unusable)} cannot train in any precision (no bf16, fp16 or fp32 rate); give "
+                     "them a tflops_ rate in cluster.device_types or remove those nodes")
+    usable = [n for n in job.cluster.nodes if n.device in hardware.models]
     if not usable:
         return lines or ["no device of the cluster can train this job"]
     layers, p = job.model.num_layers, min(len(usable), job.model.num_layers)
@@ -34,7 +36,7 @@ def explain_infeasible(job: JobConfig, hardware: Hardware) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
-        dev = hardware.devices[node.device]
+        dev = hardware.device(node.device, stage_precisions(job, hardware, node.device)[0])
         hw = StageHardware(device=dev, num_devices=node.count, num_nodes=1, node_count=node.count)
         plain, frugal = _best_peaks(job, hardware, hw, share, p)
         cap = dev.memory_gib
@@ -71,8 +73,9 @@ def _best_peaks(job: JobConfig, hardware: Hardware, hw: StageHardware, layers: i
         dp = hw.num_devices // tp
         sp = tp > 1 and job.model.seq_length % tp == 0
         for off, slot in ((OffloadSpec(), "plain"), (OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"), "frugal")):
-            lay = ParallelLayout(tp=tp, dp=dp, sp=sp, zero=3 if dp > 1 else 0, recompute="full", offload=off)
-            c = stage_costs(job.model, job.train.precision, hw, lay, dp, hardware)
+            lay = ParallelLayout(tp=tp, dp=dp, sp=sp, zero=3 if dp > 1 else 0, recompute="full", offload=off,
+                                 precision=layout_precision(job, hw.precision))
+            c = stage_costs(job.model, hw, lay, dp, hardware)
             peak = c.memory_bytes(layers, min(stages, max(1, job.train.global_batch_size // dp)), True, False) / GIB
             if slot == "plain" and (plain is None or peak < plain[0]):
                 plain = (peak, lay)

@@ -44,7 +44,7 @@ FP32_FALLBACK_DIVISOR = 8.0
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceModel:
-    """One device type as the cost model sees it, for the job's precision."""
+    """One device type as the cost model sees it, computing in one precision (`precision`)."""
 
     name: str
     vendor: str
@@ -70,6 +70,8 @@ class DeviceModel:
     measured: DeviceProfile | None = None
     """Measured GEMM curve, used instead of peak x efficiency when present."""
     precision: str = "bf16"
+    """The precision whose peak (or measured curve) `gemm_tflops` uses; a stage priced with this model
+    computes in it."""
     share: float = 1.0
     """Multiple of the measured compute rates one rank gets (emulation: its threads, or its fraction of the
     whole-machine rates)."""
@@ -121,7 +123,9 @@ class DeviceModel:
 class Hardware:
     """The cluster's device models and network, as priced for one job."""
 
-    devices: dict[str, DeviceModel]
+    models: dict[str, dict[str, DeviceModel]]
+    """Per device type, its model for each precision it can train in (`DeviceSpec.supports`), in `PRECISIONS`
+    order; a device type that can train in none is absent."""
     inter_node_gb_per_s: float
     inter_latency_s: float = INTER_LATENCY_S
     emulate: bool = False
@@ -130,6 +134,14 @@ class Hardware:
     """Emulation: the host's cores, which the ranks' threads share."""
     threads_per_rank: int = 1
     """Emulation: threads of each rank (`threads_per_process`)."""
+
+    def device(self, device_type: str, precision: str) -> DeviceModel | None:
+        """The model of `device_type` computing in `precision`; None when it cannot train in it."""
+        return self.models.get(device_type, {}).get(precision)
+
+    def precisions(self, device_type: str) -> tuple[str, ...]:
+        """The precisions `device_type` can train in, in `PRECISIONS` order (bf16, fp16, fp32)."""
+        return tuple(self.models.get(device_type, {}))
 
 
 def peak_for(spec: DeviceSpec, precision: str) -> float | None:

@@ -42,9 +42,9 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
                    zero: tuple[int, ...] = (0, 1, 2, 3), recompute: tuple[str, ...] = ("none", "selective", "full"),
                    offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES, sp: tuple[bool, ...] = (False, True),
                    offload_zero: tuple[int, ...] | None = None,
-                   offload_params_max_tp: int | None = None) -> list[ParallelLayout]:
-    """Every layout the planner considers for a stage of `num_devices` devices (cp = 1); `offload_zero` and
-    `offload_params_max_tp` as in `offload_allowed`."""
+                   offload_params_max_tp: int | None = None, precision: str | None = None) -> list[ParallelLayout]:
+    """Every layout the planner considers for a stage of `num_devices` devices (cp = 1), each with
+    `precision`; `offload_zero` and `offload_params_max_tp` as in `offload_allowed`."""
     out = []
     for tp in tp_choices(model, num_devices, node_count):
         dp = num_devices // tp
@@ -52,7 +52,8 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
             for z in zero:
                 for rc in recompute:
                     for off in offload:
-                        lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off)
+                        lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off,
+                                             precision=precision)
                         if (searched(lay, model, micro_batch_size=micro_batch_size)
                                 and offload_allowed(lay, offload_zero=offload_zero,
                                                     offload_params_max_tp=offload_params_max_tp)):

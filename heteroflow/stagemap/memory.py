@@ -1,8 +1,10 @@
 """Memory per device of one pipeline stage: training state, activations, transients and a reserve.
 
-Training state (mixed precision Adam, ZeRO paper accounting): bf16/fp16 weights 2 bytes and gradients
-2 bytes per parameter, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps
-4 + 4 bytes and 8 bytes of moments. Everything is divided by tp (kv heads replicated when tp exceeds them);
+Each stage is priced at its own precision (`ParallelLayout.compute_precision`): `dtype_bytes` is the size
+of its weights and activations, `state_bytes_per_param` its training state per parameter. Training state
+(mixed precision Adam, ZeRO paper accounting): bf16/fp16 weights 2 bytes and gradients 2 bytes per
+parameter, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps 4 + 4 bytes and
+8 bytes of moments. Everything is divided by tp (kv heads replicated when tp exceeds them);
 ZeRO over the stage's dp divides the optimizer state (stage >= 1), gradients (>= 2) and weights (3, plus a
 prefetch buffer of two gathered layers). Offloading the optimizer removes its state from the device;
 offloading parameters leaves a window of two layers of weights and of gradients on the device.
@@ -37,9 +39,21 @@ RESERVE_FRACTION = 0.05
 LOGIT_BYTES = 6
 
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes of one element in each precision: the one table the cost model reads dtype sizes from."""
+
+
+def dtype_bytes(precision: str) -> int:
+    """Bytes of one weight or activation element of a stage computing in `precision`."""
+    return DTYPE_BYTES[precision]
+
+
 def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter."""
-    return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    """(weight, gradient, optimizer) bytes per parameter of a stage computing in `precision`: weights and
+    gradients in that precision; the optimizer keeps fp32 Adam moments, plus an fp32 master copy of the
+    weights when they are 16-bit."""
+    size = dtype_bytes(precision)
+    return size, size, 8 if size == 4 else 12
 
 
 class Affine(NamedTuple):
@@ -118,11 +132,12 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
                  capacity_gib: float) -> MemoryParts:
     """The layout-independent pieces of a stage's memory."""
     wb, gb, ob = state_bytes_per_param(precision)
+    act = dtype_bytes(precision)
     p_layer, p_embed, p_head, tied = _params(model, tp)
-    stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=wb)
+    stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
               for rc in ("none", "selective", "full")}
     working = {"none": 0.0, "full": stored["none"],
-               "selective": tokens * wb * (model.num_attention_heads // tp * model.kv_channels
+               "selective": tokens * act * (model.num_attention_heads // tp * model.kv_channels
                                            + model.ffn_hidden_size / tp)}
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
                        logits=tokens * model.vocab_size / tp * LOGIT_BYTES,

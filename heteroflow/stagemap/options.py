@@ -15,7 +15,8 @@ from heteroflow.stagemap.dp import Option
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.layout import ParallelLayout
 from heteroflow.layout.shards import layer_params_per_rank
-from heteroflow.stagemap.memory import GIB
+from heteroflow.stagemap.memory import (GIB, RESERVE_FRACTION, RESERVE_GIB, activation_bytes, dtype_bytes,
+                                        state_bytes_per_param)
 
 # Columns of the coefficient matrix (`coefficients`): times, tail and memory as affine functions of the
 # layer count and position.
@@ -43,7 +44,7 @@ def layout_table(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts:
                  micro_batch_size: int) -> LayoutTable:
     """Price `layouts` and drop those another layout beats in every coefficient (exact: all figures are
     non-decreasing in every coefficient for every position)."""
-    costs = stage_costs_many(job.model, job.train.precision, hw, layouts, micro_batch_size, hardware)
+    costs = stage_costs_many(job.model, hw, layouts, micro_batch_size, hardware)
     coef = np.array([coefficients(c) for c in costs], dtype=float).reshape(len(costs), 17)
     # A layout that cannot hold one layer with one micro-batch in flight (the least any position asks) never fits.
     fits = coef[:, _MC] + coef[:, _ML] + coef[:, _MI] <= hw.device.memory_gib * GIB
@@ -211,15 +212,15 @@ def _speed_rank(lay: ParallelLayout) -> tuple:
 def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: list[ParallelLayout],
                 micro_batch_size: int) -> QuickStats:
     """Valid bounds: per-layer time and the first/last extras only grow with ZeRO 2/3, recompute and
-    offload, so only the fastest layout per (tp, sp) is priced; memory bounds come from closed formulas."""
-    from heteroflow.stagemap.memory import RESERVE_FRACTION, RESERVE_GIB, activation_bytes, state_bytes_per_param
+    offload, so only the fastest layout per (tp, sp) is priced; memory bounds come from closed formulas (at
+    the stage's precision, `hw.precision`)."""
     fastest: dict[tuple, ParallelLayout] = {}
     for lay in layouts:
         key = (lay.tp, lay.sp)
         if key not in fastest or _speed_rank(lay) < _speed_rank(fastest[key]):
             fastest[key] = lay
-    costs = [stage_costs(job.model, job.train.precision, hw, lay, micro_batch_size, hardware) for lay in fastest.values()]
-    wb, gb, ob = state_bytes_per_param(job.train.precision)
+    costs = [stage_costs(job.model, hw, lay, micro_batch_size, hardware) for lay in fastest.values()]
+    wb, gb, ob = state_bytes_per_param(hw.precision)
     room = hw.device.memory_gib * GIB - (RESERVE_GIB + RESERVE_FRACTION * hw.device.memory_gib) * GIB
     state = act = float("inf")
     for lay in layouts:
@@ -234,7 +235,7 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
         elif act > 0:
             tokens = micro_batch_size / lay.dp * job.model.seq_length / lay.cp
             act = min(act, activation_bytes(job.model, tokens=tokens, tp=lay.tp, sp=lay.sp,
-                                            recompute=lay.recompute, dtype_bytes=wb))
+                                            recompute=lay.recompute, dtype_bytes=dtype_bytes(hw.precision)))
     return QuickStats(rate_s=min(c.fwd_layer_s + c.bwd_layer_s for c in costs),
                       first_s=min(c.fwd_first_s + c.bwd_first_s for c in costs),
                       last_s=min(c.fwd_last_s + c.bwd_last_s for c in costs),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from heteroflow.stagemap.estimate import PlanEstimate
 
@@ -23,7 +23,7 @@ class Baseline:
                "bubble_fraction": e.bubble_fraction, "schedule": e.plan.schedule,
                "micro_batch_size": e.plan.micro_batch_size, "num_devices": e.plan.num_devices,
                "stages": [{"device_type": s.device_type, "num_devices": s.num_devices, "layers": list(s.layers),
-                           "tp": s.layout.tp, "dp": s.layout.dp} for s in e.stages]}
+                           "tp": s.layout.tp, "dp": s.layout.dp, "precision": s.precision} for s in e.stages]}
         if self.reason:
             out["reason"] = self.reason
         return out
@@ -37,6 +37,9 @@ class PlanReport:
     baselines: dict[str, Baseline]
     search_time_s: float
     problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    """What the search changed or left out, one line each (device types that cannot train in
+    `train.precision` and get another precision; device types that can train in none)."""
     stats: dict = field(default_factory=dict)
 
     @property
@@ -58,6 +61,8 @@ class PlanReport:
         out["baselines"] = {name: b.to_json() for name, b in self.baselines.items()}
         if self.problems:
             out["problems"] = list(self.problems)
+        if self.notes:
+            out["notes"] = list(self.notes)
         if self.stats:
             out["search"] = dict(self.stats)
         return out
@@ -69,14 +74,16 @@ def _ms(seconds: float) -> str:
 
 def format_estimate(e: PlanEstimate, title: str) -> str:
     """A table per stage and the plan's figures."""
-    head = ("stage", "devices", "device type", "layers", "layout", "mem GiB peak/cap", "fwd ms", "bwd ms")
+    head = ("stage", "devices", "device type", "layers", "layout", "precision", "mem GiB peak/cap", "fwd ms",
+            "bwd ms")
     rows = []
     for s in e.stages:
         devices = ",".join(s.devices)
         if len(devices) > 28:
             devices = devices[:25] + "..."
         rows.append((str(s.index), f"{s.num_devices} ({devices})", s.device_type, f"{s.layers[0]}-{s.layers[1] - 1}",
-                     s.layout.describe(), f"{s.memory_peak_gib:.1f}/{s.memory_capacity_gib:.0f}"
+                     replace(s.layout, precision=None).describe(), s.precision,
+                     f"{s.memory_peak_gib:.1f}/{s.memory_capacity_gib:.0f}"
                      + ("" if s.fits else " !"), _ms(s.forward_s), _ms(s.backward_s)))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -99,7 +106,8 @@ def format_baselines(baselines: dict[str, Baseline], reference: PlanEstimate | N
             lines.append(f"  {name}: none ({b.reason})")
             continue
         e = b.estimate
-        shape = " + ".join(f"{s.num_devices} x {s.device_type} tp{s.layout.tp} dp{s.layout.dp}" for s in e.stages[:4])
+        shape = " + ".join(f"{s.num_devices} x {s.device_type} tp{s.layout.tp} dp{s.layout.dp}"
+                           + (f" {s.layout.precision}" if s.layout.precision else "") for s in e.stages[:4])
         if len(e.stages) > 4:
             shape += f" + {len(e.stages) - 4} more stages"
         gain = f", plan is {reference.tokens_per_s / e.tokens_per_s:.2f}x" if reference is not None and e.tokens_per_s else ""
@@ -110,10 +118,12 @@ def format_baselines(baselines: dict[str, Baseline], reference: PlanEstimate | N
 
 def format_report(report: PlanReport) -> str:
     """What `heteroflow plan` prints."""
+    notes = [f"note: {n}" for n in report.notes]
     if report.estimate is None:
         lines = [f"no plan fits (searched in {report.search_time_s:.2f} s):"]
         lines += [f"  {p}" for p in report.problems]
         lines.append(format_baselines(report.baselines, None))
-        return "\n".join(lines)
+        return "\n".join(lines + notes)
     title = f"best plan (searched in {report.search_time_s:.2f} s)"
-    return format_estimate(report.estimate, title) + "\n" + format_baselines(report.baselines, report.estimate)
+    return "\n".join([format_estimate(report.estimate, title), format_baselines(report.baselines, report.estimate),
+                      *notes])

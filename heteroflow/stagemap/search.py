@@ -48,7 +48,7 @@ class Planner:
 
     def __init__(self, job: JobConfig, hardware: Hardware, options: SearchOptions):
         self.job, self.hardware, self.options = job, hardware, options
-        self.classes = device_classes(job, set(hardware.devices), options.device_types)
+        self.classes = device_classes(job, hardware, options.device_types)
         self._tables: dict[tuple, LayoutTable] = {}
         self._stats: dict[tuple, QuickStats] = {}
         self._curves: dict[tuple, SlotCurve] = {}
@@ -60,7 +60,7 @@ class Planner:
 
     def shape(self, c: int, size: int) -> StageHardware:
         cls = self.classes[c]
-        return StageHardware(device=self.hardware.devices[cls.device_type], num_devices=size,
+        return StageHardware(device=self.hardware.device(cls.device_type, cls.precision), num_devices=size,
                              num_nodes=max(1, size // cls.node_count), node_count=cls.node_count)
 
     def layouts(self, c: int, size: int, mbs: int) -> list:

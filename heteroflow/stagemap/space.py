@@ -1,6 +1,8 @@
 """The planner's search space: device classes, the device groups a stage may use, templates of stages.
 
-- A *device class* is the nodes of one device type with the same device count.
+- A *device class* is the nodes of one device type with the same device count, computing in one precision
+  (`stage_precisions`). A device type that cannot train in the job's precision has one class per
+  precision it can train in, over the same nodes; a template uses at most one of them.
 - A stage uses a *group*: an equal slice of one node (a divisor of its device count) or a run of whole
   nodes of one class. All stages of a class in a plan have the same size, and a used class is cut into as
   many such groups as it holds (devices left over by a size that does not divide the class stay idle, as
@@ -8,7 +10,13 @@
 - A *template* is the ordered list of used classes with their group sizes: the stages of one class are
   contiguous in the pipeline, and the order of the classes is searched.
 - Per stage: layers (any positive split summing to the model's layers) and layout (tp inside a node, dp,
-  sp, ZeRO, recompute, offload; cp = 1); per plan: micro-batch size (dividing the global batch) and schedule.
+  sp, ZeRO, recompute, offload; cp = 1; the class's precision); per plan: micro-batch size (dividing the
+  global batch) and schedule.
+
+Precision (`stage_precisions`): `train.precision` is pinned on every device type that can train in it;
+only a device type that cannot (Ascend 910A has no bf16) gets another precision, the fastest plan among
+those it supports (bf16, fp16, fp32; fp16 for a 910A). A plan names a stage's precision only where it
+differs from `train.precision`.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from dataclasses import dataclass, field
 from heteroflow.config.cluster import DeviceRef
 from heteroflow.config.job import JobConfig
 from heteroflow.layout import OffloadSpec
+from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.layout import OFFLOAD_CHOICES, search_layouts, tp_choices
 
 
@@ -39,7 +48,7 @@ class SearchOptions:
     """Largest tp allowed for a layout whose parameters leave the device (None: any)."""
     sp: tuple[bool, ...] = (False, True)
     device_types: tuple[str, ...] | None = None
-    """Only these device types (None: all that support the job's precision)."""
+    """Only these device types (None: all)."""
     include_megatron: bool = True
     """Also consider the megatron_uniform plan (which may fall outside the template space)."""
 
@@ -51,11 +60,12 @@ off the device only under ZeRO 0 and parameters off the device only with tp 1 (Z
 
 @dataclass(frozen=True, slots=True)
 class DeviceClass:
-    """Nodes of one device type with `node_count` devices each, in cluster order."""
+    """Nodes of one device type with `node_count` devices each, in cluster order, computing in `precision`."""
 
     device_type: str
     node_count: int
     nodes: tuple[str, ...]
+    precision: str
 
     @property
     def num_devices(self) -> int:
@@ -71,13 +81,28 @@ class Group:
     nodes: frozenset[str] = field(compare=False)
 
 
-def device_classes(job: JobConfig, usable_types: set[str], only: tuple[str, ...] | None = None) -> list[DeviceClass]:
-    """The cluster's device classes whose type can run the job (and is in `only`, when given)."""
-    found: dict[tuple[str, int], list[str]] = {}
+def stage_precisions(job: JobConfig, hardware: Hardware, device_type: str) -> tuple[str, ...]:
+    """The precisions a searched stage on `device_type` may compute in: `train.precision` alone when the
+    device type can train in it (pinned), else every precision it can (the search keeps the fastest plan)."""
+    if hardware.device(device_type, job.train.precision) is not None:
+        return (job.train.precision,)
+    return hardware.precisions(device_type)
+
+
+def layout_precision(job: JobConfig, precision: str) -> str | None:
+    """`ParallelLayout.precision` for a stage computing in `precision`: None when it is `train.precision`."""
+    return None if precision == job.train.precision else precision
+
+
+def device_classes(job: JobConfig, hardware: Hardware, only: tuple[str, ...] | None = None) -> list[DeviceClass]:
+    """The cluster's device classes (types in `only`, when given), one per precision of `stage_precisions`;
+    device types that can train in no precision are left out (`api.search_plan` says so)."""
+    found: dict[tuple[str, int, str], list[str]] = {}
     for node in job.cluster.nodes:
-        if node.device in usable_types and (only is None or node.device in only):
-            found.setdefault((node.device, node.count), []).append(node.name)
-    return [DeviceClass(t, c, tuple(names)) for (t, c), names in found.items()]
+        if only is None or node.device in only:
+            for precision in stage_precisions(job, hardware, node.device):
+                found.setdefault((node.device, node.count, precision), []).append(node.name)
+    return [DeviceClass(t, c, tuple(names), p) for (t, c, p), names in found.items()]
 
 
 def group_sizes(cls: DeviceClass) -> list[int]:
@@ -128,6 +153,8 @@ def templates(job: JobConfig, classes: list[DeviceClass], micro_batch_size: int)
     out = []
     for r in range(1, len(classes) + 1):
         for subset in itertools.combinations(range(len(classes)), r):
+            if len({classes[c].nodes for c in subset}) < r:
+                continue  # two precisions of the same nodes
             for combo in itertools.product(*(sizes[c] for c in subset)):
                 stages = sum(_count(classes[c], s) for c, s in zip(subset, combo))
                 if stages > num_layers:
@@ -145,4 +172,5 @@ def layouts_for(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: i
     """The layouts searched for a stage of `size` devices of `cls`."""
     return search_layouts(job.model, num_devices=size, node_count=cls.node_count, micro_batch_size=micro_batch_size,
                           zero=options.zero, recompute=options.recompute, offload=options.offload, sp=options.sp,
-                          offload_zero=options.offload_zero, offload_params_max_tp=options.offload_params_max_tp)
+                          offload_zero=options.offload_zero, offload_params_max_tp=options.offload_params_max_tp,
+                          precision=layout_precision(job, cls.precision))

@@ -77,11 +77,11 @@ def test_offload_moves_state_off_the_device():
 
 def test_offload_and_recompute_cost_time():
     hw = StageHardware(device=A100, num_devices=8, num_nodes=1, node_count=8)
-    hardware = Hardware(devices={}, inter_node_gb_per_s=25)
-    plain = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1), 8, hardware)
-    rc = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1, recompute="full"), 8, hardware)
-    cpu = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1, offload=OffloadSpec(optimizer="cpu")), 8, hardware)
-    ssd = stage_costs(MODEL, "bf16", hw, ParallelLayout(dp=8, zero=1, offload=OffloadSpec(optimizer="ssd")), 8, hardware)
+    hardware = Hardware(models={}, inter_node_gb_per_s=25)
+    plain = stage_costs(MODEL, hw, ParallelLayout(dp=8, zero=1), 8, hardware)
+    rc = stage_costs(MODEL, hw, ParallelLayout(dp=8, zero=1, recompute="full"), 8, hardware)
+    cpu = stage_costs(MODEL, hw, ParallelLayout(dp=8, zero=1, offload=OffloadSpec(optimizer="cpu")), 8, hardware)
+    ssd = stage_costs(MODEL, hw, ParallelLayout(dp=8, zero=1, offload=OffloadSpec(optimizer="ssd")), 8, hardware)
     assert rc.backward_s(8, False, False) > plain.backward_s(8, False, False)
     assert rc.forward_s(8, False, False) == plain.forward_s(8, False, False)
     assert plain.tail_s(8, False, False) < cpu.tail_s(8, False, False) < ssd.tail_s(8, False, False)
@@ -89,10 +89,10 @@ def test_offload_and_recompute_cost_time():
 
 def test_memory_components_add_up_and_batched_costing_agrees():
     hw = StageHardware(device=A100, num_devices=8, num_nodes=2, node_count=4)
-    hardware = Hardware(devices={}, inter_node_gb_per_s=25)
+    hardware = Hardware(models={}, inter_node_gb_per_s=25)
     layouts = search_layouts(MODEL, num_devices=8, node_count=4, micro_batch_size=8)
-    for lay, batched in zip(layouts, stage_costs_many(MODEL, "bf16", hw, layouts, 8, hardware)):
-        single = stage_costs(MODEL, "bf16", hw, lay, 8, hardware)
+    for lay, batched in zip(layouts, stage_costs_many(MODEL, hw, layouts, 8, hardware)):
+        single = stage_costs(MODEL, hw, lay, 8, hardware)
         assert batched.memory_bytes(5, 3, True, False) == pytest.approx(single.memory_bytes(5, 3, True, False))
         assert sum(single.memory.components(5, 3, True, False).values()) * GIB == pytest.approx(
             single.memory_bytes(5, 3, True, False))
@@ -120,9 +120,9 @@ def test_a_profile_replaces_catalog_figures():
 
 def test_emulation_prices_every_rank_as_its_threads_share_of_the_host():
     types = {name: CATALOG[name] for name in ("nvidia-a100-80g", "ascend-910b2")}
-    alone = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=1, cores=2)
-    eight = build_hardware(types, 25.0, "fp32", emulate=True, num_ranks=8, cores=2)
-    a, b = alone.devices["nvidia-a100-80g"], eight.devices["ascend-910b2"]
+    alone = build_hardware(types, 25.0, emulate=True, num_ranks=1, cores=2)
+    eight = build_hardware(types, 25.0, emulate=True, num_ranks=8, cores=2)
+    a, b = alone.device("nvidia-a100-80g", "fp32"), eight.device("ascend-910b2", "fp32")
     assert a.peak_tflops == b.peak_tflops == CATALOG["cpu"].tflops_fp32
     # One rank runs both threads; eight get one thread each (the pipeline simulation shares the two cores).
     assert (alone.threads_per_rank, eight.threads_per_rank, eight.cores) == (2, 1, 2)

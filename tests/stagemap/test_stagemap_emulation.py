@@ -176,9 +176,9 @@ def test_measured_all_reduces_price_the_collectives_and_only_them():
     costs = {}
     for name, link in (("p2p", p2p_only), ("allreduce", measured)):
         dev = emulated_device("fp32", profile=_profile(link=link), num_ranks=4, cores=2)
-        hardware = Hardware(devices={}, inter_node_gb_per_s=dev.intra_node_gb_per_s, emulate=True)
+        hardware = Hardware(models={}, inter_node_gb_per_s=dev.intra_node_gb_per_s, emulate=True)
         hw = StageHardware(device=dev, num_devices=2, num_nodes=1, node_count=2)
-        costs[name] = {tp: stage_costs(TINY, "fp32", hw, ParallelLayout(tp=tp, dp=2 // tp), 4, hardware) for tp in (1, 2)}
+        costs[name] = {tp: stage_costs(TINY, hw, ParallelLayout(tp=tp, dp=2 // tp), 4, hardware) for tp in (1, 2)}
         assert dev.collective_link() == ((0.5, 2e-4) if name == "allreduce" else (2.0, 5e-5))
     assert costs["allreduce"][2].fwd_layer_s > costs["p2p"][2].fwd_layer_s  # tp all-reduces cost more
     assert costs["allreduce"][1].fwd_layer_s == costs["p2p"][1].fwd_layer_s  # no collective in a tp1 layer
@@ -187,9 +187,9 @@ def test_measured_all_reduces_price_the_collectives_and_only_them():
 
 def test_the_device_optimizer_streams_heteroflows_adamw_traffic():
     dev = emulated_device("fp32", profile=_profile(), num_ranks=1, cores=1)
-    hardware = Hardware(devices={}, inter_node_gb_per_s=dev.intra_node_gb_per_s, emulate=True)
+    hardware = Hardware(models={}, inter_node_gb_per_s=dev.intra_node_gb_per_s, emulate=True)
     hw = StageHardware(device=dev, num_devices=1, num_nodes=1, node_count=1)
-    c = stage_costs(TINY, "fp32", hw, ParallelLayout(), 4, hardware)
+    c = stage_costs(TINY, hw, ParallelLayout(), 4, hardware)
     assert c.tail_per_param_s == pytest.approx((FLAT_BUFFER_BYTES_PER_PARAM + DEVICE_ADAM_BYTES_PER_PARAM)
                                                / (dev.hbm_gb_per_s * 1e9))
     assert FLAT_BUFFER_BYTES_PER_PARAM + DEVICE_ADAM_BYTES_PER_PARAM == 124  # vs 28 for a fused AdamW
