@@ -44,7 +44,7 @@ def test_metrics_lines_are_strict_json_even_for_non_finite_figures():
 DIVERGING_JOB = """
     cluster: {nodes: [{name: a, device: cpu, count: 2}]}
     model: {preset: micro-llama}
-    train: {global_batch_size: 4, steps: 6, lr: 1.0e+4, warmup_steps: 0, grad_clip: 0, %s}
+    train: {global_batch_size: 4, steps: 10, lr: 10, warmup_steps: 0, grad_clip: 0, %s}
     plan:
       micro_batch_size: 2
       stages:
