@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
+from heteroflow.runtime.metrics import read_step_records
 
 
 def heteroflow(*args: str, env_cache) -> subprocess.CompletedProcess:
@@ -28,7 +28,7 @@ def test_train_emulated_three_vendor_job_writes_metrics(tmp_path, env_cache):
     result = heteroflow("train", "configs/jobs/emulated-three-vendor.yaml", "--emulate", "--steps", "4",
                         "--metrics", str(metrics), "--log-dir", str(tmp_path / "logs"), env_cache=env_cache)
     assert result.returncode == 0, result.stdout + result.stderr
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_step_records(metrics)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for record in records:
         assert {"step", "loss", "tokens_per_s", "step_time_s", "predicted_step_time_s"} <= record.keys()
@@ -70,7 +70,7 @@ def test_train_with_offload_tiers_checkpoints_and_leaves_no_swap_files(tmp_path,
     result = heteroflow("train", str(job), "--emulate", "--metrics", str(metrics), env_cache=env_cache)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stage 0 offload {optimizer: ssd, params: ssd, activations: device}: adam " in result.stdout
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+    assert [r["step"] for r in read_step_records(metrics)] == [0, 1, 2]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002", "step-000003"]
     assert list((tmp_path / "swap").iterdir()) == []  # the ranks made their directories there and removed them
 
