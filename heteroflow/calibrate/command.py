@@ -45,8 +45,9 @@ def format_fit(fit: Fit, notes: list[str]) -> str:
     lines.append(f"{'run':<{source_width}}  {'measured s':>10}  {'predicted s':>11}  {'pred/meas':>9}  "
                  f"{'calibrated s':>12}  {'pred/meas':>9}")
     for r in cal.runs:
-        lines.append(f"{r['source']:<{source_width}}  {r['measured_step_time_s']:10.4g}  {r['predicted_before_s']:11.4g}"
-                     f"  {r['ratio_before']:9.3f}  {r['predicted_after_s']:12.4g}  {r['ratio_after']:9.3f}")
+        lines.append(f"{r['source']:<{source_width}}  {r['measured_step_time_s']:10.4g}  "
+                     f"{r['predicted_before_s']:11.4g}  {r['ratio_before']:9.3f}  {r['predicted_after_s']:12.4g}  "
+                     f"{r['ratio_after']:9.3f}")
     if cal.not_pinned_down:
         shown = [f"{n} (sensitivity {s:.2g})" for n, s, r in zip(fit.params, fit.sensitivity, fit.resolution)
                  if n in cal.not_pinned_down]

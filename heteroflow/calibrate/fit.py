@@ -22,7 +22,7 @@ import numpy as np
 from heteroflow.calibrate.runs import Run
 from heteroflow.errors import UserError
 from heteroflow.stagemap.calibration import FACTOR_LIMIT, FACTORS, Calibration, DeviceFactors
-from heteroflow.stagemap.estimate import UNCALIBRATED, evaluate_plan
+from heteroflow.stagemap.estimate import UNCALIBRATED, evaluate_plan, resolve_profile
 
 PRIOR_WEIGHT = 0.05
 """Weight of the prior in log space: a factor of 2 costs as much as a 3.5% misfit of one run."""
@@ -63,6 +63,7 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
     device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
     params = [(d, f) for d in device_types for f in factors]
     measured = np.log([run.measured_step_time_s for run in runs])
+    profiles = [resolve_profile(run.job, None) for run in runs]  # read once, not at every evaluation
 
     def calibration_of(theta: np.ndarray) -> Calibration:
         values: dict[str, dict[str, float]] = {d: {} for d in device_types}
@@ -73,8 +74,9 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
 
     def log_predicted(theta: np.ndarray) -> np.ndarray:
         calibration = calibration_of(theta) if len(theta) else UNCALIBRATED
-        return np.log([evaluate_plan(run.job, run.plan, emulate=run.emulate, calibration=calibration).step_time_s
-                       for run in runs])
+        return np.log([evaluate_plan(run.job, run.plan, profile=profile, emulate=run.emulate,
+                                     calibration=calibration).step_time_s
+                       for run, profile in zip(runs, profiles)])
 
     def jacobian(theta: np.ndarray, base: np.ndarray) -> np.ndarray:
         columns = []

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from heteroflow.runtime.metrics import read_step_records
+from heteroflow.runtime.metrics import read_metrics, read_step_records
 
 
 def heteroflow(*args: str, env_cache) -> subprocess.CompletedProcess:
@@ -35,6 +35,15 @@ def test_train_emulated_three_vendor_job_writes_metrics(tmp_path, env_cache):
         assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0
     assert records[-1]["loss"] < records[0]["loss"]
     assert "step 4/4" in result.stdout and "done, 4 steps" in result.stdout
+    # The header says what was measured, so the file alone calibrates the cost model.
+    (header, steps), = read_metrics(metrics)
+    assert header["version"] == 1 and header["emulate"] is True and len(steps) == 4
+    assert header["job"]["model"]["num_layers"] and len(header["plan"]["stages"]) == 3
+    assert header["predicted_step_time_s"] == records[0]["predicted_step_time_s"]
+    calibrated = heteroflow("calibrate", "configs/jobs/emulated-three-vendor.yaml", str(metrics), "-o",
+                            str(tmp_path / "cal.yaml"), env_cache=env_cache)
+    assert calibrated.returncode == 0, calibrated.stdout + calibrated.stderr
+    assert "calibrated from 1 emulated run" in calibrated.stdout
 
 
 def test_train_bad_input_exits_2_without_traceback(tmp_path, env_cache, write_yaml):
