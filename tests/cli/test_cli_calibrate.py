@@ -158,3 +158,17 @@ def test_calibrate_subprocess_exit_codes(files):
                               str(files / "none.jsonl")], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert f"{files / 'none.jsonl'}: file not found" in missing.stderr
+
+
+def test_train_says_it_is_calibrated(files, capsys):
+    """`train` reads the job's calibration before launching and prints where its prediction comes from."""
+    from heteroflow.launcher.prepare import calibration_line
+    assert run(capsys, "calibrate", files / "job.yaml", files / "a.jsonl", files / "b.jsonl", "-o",
+               files / "cal.yaml")[0] == 0
+    data = yaml.safe_load((files / "job.yaml").read_text())
+    assert calibration_line(load_job(files / "job.yaml"), emulate=False) is None
+    data["cluster"]["calibration"] = "cal.yaml"
+    (files / "job-cal.yaml").write_text(yaml.safe_dump(data))
+    job = load_job(files / "job-cal.yaml")
+    assert calibration_line(job, emulate=False) == f"predicted step time calibrated from 2 runs ({files / 'cal.yaml'})"
+    assert "not applied: it was fitted on real (not emulated) runs" in calibration_line(job, emulate=True)
