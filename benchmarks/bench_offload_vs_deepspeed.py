@@ -74,7 +74,7 @@ def run_heteroflow(a: argparse.Namespace, work: Path) -> dict:
     from heteroflow.config import parse_job
     from heteroflow.runtime.worker import WorkerArgs, run_worker
 
-    from heteroflow.runtime.metrics import MetricsWriter
+    from heteroflow.runtime.metrics import MetricsWriter, read_step_records
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _one_rank_world()
@@ -90,7 +90,7 @@ def run_heteroflow(a: argparse.Namespace, work: Path) -> dict:
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=a.steps, data_dir=str(work / "data"),
                       metrics_path=str(metrics), show_progress=False, timeout_s=1800)
     result = run_worker(args)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_step_records(metrics)
     return {"step_time_s": [r["step_time_s"] for r in records], "losses": list(result.losses),
             "cpu_s": [b - a for a, b in zip(cpu_marks, cpu_marks[1:])],
             "which": result.offload["which"], "peak_device_bytes": result.offload["peak_bytes"]}

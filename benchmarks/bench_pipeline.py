@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -105,6 +104,7 @@ class Batches:
 
 def heteroflow_round(rank: int, args, data_dir: str, steps: int) -> tuple[list[float], list[float]]:
     """Train `steps` steps from the initial weights with run_worker; (step times, losses) on rank 0."""
+    from heteroflow.runtime.metrics import read_step_records
     from heteroflow.runtime.worker import WorkerArgs, run_worker
 
     job = make_job(args, steps=steps)
@@ -114,7 +114,7 @@ def heteroflow_round(rank: int, args, data_dir: str, steps: int) -> tuple[list[f
                                        metrics_path=metrics, show_progress=False, timeout_s=300))
         if rank != 0:
             return [], []
-        records = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
+        records = read_step_records(Path(metrics))
     return [r["step_time_s"] for r in records], list(result.losses)
 
 

@@ -23,7 +23,6 @@ The report also goes to benchmarks/results/bench_predicted_vs_measured.txt (`--o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -136,10 +135,11 @@ def measure_plan(job, steps: int, warmup: int, work_dir: Path, name: str) -> lis
     """Train `job` emulated for `steps` steps; rank 0's step times after `warmup` steps."""
     from heteroflow.launcher.prepare import TrainOptions
     from heteroflow.launcher.train import train_job
+    from heteroflow.runtime.metrics import read_step_records
     metrics = work_dir / f"{name}.jsonl"
     train_job(job, TrainOptions(emulate=True, steps=steps, metrics_path=str(metrics),
                                 log_dir=str(work_dir / f"logs-{name}")))
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = read_step_records(metrics)
     return [r["step_time_s"] for r in records if r["step"] >= warmup]
 
 

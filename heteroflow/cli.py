@@ -127,7 +127,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_output_paths(Output("-o", args.output), Output("--gantt", args.gantt))
     return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
                         evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
-                        max_micro_batch_size=args.max_micro_batch_size, all_layouts=args.all_layouts)
+                        max_micro_batch_size=args.max_micro_batch_size, all_layouts=args.all_layouts,
+                        calibration_path=args.calibration)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the cost model's factors per device type to measured runs."""
+    from heteroflow.calibrate.command import calibrate_command
+    from heteroflow.stagemap.calibration import FACTORS
+    check_output_paths(Output("-o", args.output))
+    factors = tuple(f.strip() for f in args.factors.split(",") if f.strip()) if args.factors else FACTORS
+    kwargs = {} if args.prior_weight is None else {"prior_weight": args.prior_weight}
+    return calibrate_command(job_path=args.job, run_paths=args.runs, output=args.output, as_json=args.json,
+                             factors=factors, **kwargs)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -212,11 +224,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evaluate", metavar="PLAN.yaml", nargs="?", const="",
                    help="estimate this plan file instead of searching (no file: the job's own plan)")
     p.add_argument("--profile", metavar="PROFILE.yaml", help="measured figures (default: the job's cluster.profile)")
+    p.add_argument("--calibration", metavar="CALIBRATION.yaml",
+                   help="factors fitted by `heteroflow calibrate` (default: the job's cluster.calibration)")
     p.add_argument("--emulate", action="store_true",
                    help="with --evaluate: price the run as `train --emulate` does it, every rank a local CPU process")
     p.add_argument("--max-micro-batch-size", type=int, metavar="N", help="largest micro-batch size searched")
     p.add_argument("--all-layouts", action="store_true",
                    help="also search layouts the cost model prices but `train` does not run yet (ZeRO-3)")
+
+    p = add("calibrate", cmd_calibrate,
+            "fit the cost model's factors per device type to measured runs (metrics files or a measurements file)")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="a `train --metrics` file, or a YAML file with `measurements: [{plan: ..., tokens_per_s: ...}]`")
+    p.add_argument("-o", "--output", metavar="CALIBRATION.yaml", help="write the calibration here")
+    p.add_argument("--factors", metavar="F,F", help="fit only these factors (default: gemm,memory,overhead,tp_comm,"
+                   "dp_comm)")
+    p.add_argument("--prior-weight", type=float, metavar="W",
+                   help="pull toward the uncalibrated model, in log step time per log factor (default 0.05)")
+    p.add_argument("--json", action="store_true", help="print the calibration, sensitivities and residuals as JSON")
 
     p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
     p.add_argument("-o", "--output", metavar="PROFILE.yaml", help="write the profile here")
@@ -234,6 +260,7 @@ _FLAG_LIMITS = {  # argparse dest -> the flag as written, and its allowed range
     "max_restarts": ("--max-restarts", limits.MAX_RESTARTS), "nnodes": ("--nnodes", limits.NUM_NODES),
     "nproc_per_node": ("--nproc-per-node", limits.DEVICES_PER_NODE), "vocab_size": ("--vocab-size", limits.VOCAB_SIZE),
     "max_micro_batch_size": ("--max-micro-batch-size", limits.MICRO_BATCH_SIZE),
+    "prior_weight": ("--prior-weight", limits.positive(100.0)),
 }
 
 

@@ -59,6 +59,8 @@ class ClusterSpec:
     """Per-node network bandwidth between nodes, GB/s."""
     profile: str | None = None
     """Path of a `heteroflow profile` file whose measurements replace catalog figures."""
+    calibration: str | None = None
+    """Path of a `heteroflow calibrate` file whose factors scale the cost model's rates (relative to the job)."""
     env: Mapping[str, str] = field(default_factory=dict, hash=False)
     """Environment variables for every worker process of the cluster (`cluster.env`)."""
     device_type_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
@@ -112,6 +114,8 @@ class ClusterSpec:
             out["device_types"] = custom
         if self.profile:
             out["profile"] = self.profile
+        if self.calibration:
+            out["calibration"] = self.calibration
         out["nodes"] = [{k: v for k, v in (("name", n.name), ("device", n.device), ("count", n.count),
                                            ("host", n.host), ("env", dict(n.env) or None)) if v is not None}
                         for n in self.nodes]
@@ -177,6 +181,7 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
     sec = Section(data, path, problems)
     inter = sec.number("inter_node_gb_per_s", 25.0, limit=limits.NETWORK_GB_PER_S)
     profile = sec.string("profile", None)
+    calibration = sec.string("calibration", None)
     cluster_env = parse_env(sec) or {}
     types: dict[str, DeviceSpec] = {}
     type_env: dict[str, dict[str, str]] = {}
@@ -244,4 +249,5 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
     if not sec.valid or inter is None or not nodes:
         return None
     return ClusterSpec(nodes=tuple(nodes), device_types=types, inter_node_gb_per_s=inter, profile=profile,
+                       calibration=calibration,
                        env=cluster_env, device_type_env=type_env)

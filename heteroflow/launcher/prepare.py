@@ -85,6 +85,18 @@ def predicted_step_time(job: JobConfig, plan: PlanSpec, *, emulate: bool) -> flo
     return estimate.step_time_s if estimate.feasible else None
 
 
+def calibration_line(job: JobConfig, *, emulate: bool) -> str | None:
+    """What `train` says about the job's `cluster.calibration` (read and checked here, before any launch), or
+    None when the job names none."""
+    if not job.cluster.calibration:
+        return None
+    from heteroflow.stagemap.calibration import describe_note
+    from heteroflow.stagemap.estimate import resolve_calibration
+    calibration = resolve_calibration(job, None)
+    assert calibration is not None
+    return "predicted step time " + describe_note(calibration.note(emulate=emulate))
+
+
 def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = None) -> None:
     """Without --emulate, this machine must hold the plan's devices of one node (`node_name`, or the plan's
     only node): its vendor, enough of them."""

@@ -11,8 +11,8 @@ from heteroflow.data.builtin import open_train_data
 from heteroflow.launcher.launch import LaunchSpec, launch
 from heteroflow.launcher.multinode import run_node
 from heteroflow.launcher.placement import declared_environment, plan_nodes
-from heteroflow.launcher.prepare import (TrainOptions, cache_dir, check_local_devices, check_runnable, choose_plan,
-                                         prepare_resume, worker_args)
+from heteroflow.launcher.prepare import (TrainOptions, cache_dir, calibration_line, check_local_devices, check_runnable,
+                                         choose_plan, prepare_resume, worker_args)
 from heteroflow.launcher.swap import check_swap_space, sweep_swap
 from heteroflow.models.hf_checkpoint import check_init_from
 from heteroflow.runtime.worker import WorkerResult, run_worker
@@ -29,6 +29,9 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     resume_note = prepare_resume(job, resume=options.resume)
     if resume_note:
         print(f"heteroflow: {resume_note}", flush=True)
+    calibrated = calibration_line(job, emulate=options.emulate)
+    if calibrated:
+        print(f"heteroflow: {calibrated}", flush=True)
     # The ranks on this machine (all of them, or this node's) put their swap files under one root.
     swap_root = check_swap_space(job, plan, node=options.node)
     try:

@@ -1,4 +1,9 @@
-"""Per-step metrics: one JSON record per step to a JSONL file, and a progress line on rank 0."""
+"""Per-step metrics: one JSON record per step to a JSONL file, and a progress line on rank 0.
+
+A metrics file starts with a header record, `{"header": {"version": 1, "job": ..., "plan": ..., "emulate": ...,
+"predicted_step_time_s": ...}}`, which says what was measured; a resumed run appends a new header before its
+steps. Readers take step records with `read_step_records` (or skip lines that hold a `header` key).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,50 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import IO
+
+HEADER_VERSION = 1
+"""Version of the header record's schema."""
+
+
+def header_record(*, job: dict, plan: dict, emulate: bool, predicted_step_time_s: float | None) -> dict:
+    """The header record of a run: the job (`JobConfig.to_dict()`) and plan (`PlanSpec.to_dict()`) as plain
+    data, whether it was emulated and the cost model's step time for it."""
+    return {"header": {"version": HEADER_VERSION, "job": job, "plan": plan, "emulate": emulate,
+                       "predicted_step_time_s": predicted_step_time_s}}
+
+
+def is_header(record: object) -> bool:
+    """Whether a parsed metrics line is a header record (not a step)."""
+    return isinstance(record, dict) and "header" in record
+
+
+def read_metrics(path: str | os.PathLike) -> list[tuple[dict | None, list[dict]]]:
+    """The runs in a metrics file: (header, its step records) per header, in file order; step records
+    before any header (files written before headers existed) come with header None. Raises ValueError
+    (with the line number) on a line that is not a JSON object."""
+    runs: list[tuple[dict | None, list[dict]]] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"line {number}: not JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"line {number}: expected a JSON object")
+            if is_header(record):
+                runs.append((record["header"], []))
+            else:
+                if not runs:
+                    runs.append((None, []))
+                runs[-1][1].append(record)
+    return runs
+
+
+def read_step_records(path: str | os.PathLike) -> list[dict]:
+    """Every step record of a metrics file, in order, header records skipped."""
+    return [record for _, steps in read_metrics(path) for record in steps]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +80,17 @@ class StepRecord:
 
 
 class MetricsWriter:
-    """Appends `StepRecord`s to a JSONL file, flushing each line so a crash loses nothing written."""
+    """Appends `StepRecord`s to a JSONL file, flushing each line so a crash loses nothing written; `header`
+    (from `header_record`) is written first, also when appending to an earlier run's file."""
 
-    def __init__(self, path: str | os.PathLike | None):
+    def __init__(self, path: str | os.PathLike | None, header: dict | None = None):
         self.file: IO[str] | None = None
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.file = open(path, "a", encoding="utf-8")
+            if header is not None:
+                self.file.write(json.dumps(header, allow_nan=False, default=float) + "\n")
+                self.file.flush()
 
     def write(self, record: StepRecord) -> None:
         """Append one record."""

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
-from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord
+from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
 from heteroflow.runtime.user_errors import TrainingDiverged, record_user_error
@@ -127,7 +127,9 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     num_micro_batches = plan.num_micro_batches(train)
     global_tokens = train.global_batch_size * job.model.seq_length
     counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
-    writer = MetricsWriter(args.metrics_path) if rank == 0 else None
+    header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
+                           predicted_step_time_s=args.predicted_step_time_s)
+    writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
     progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
     where = f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}"

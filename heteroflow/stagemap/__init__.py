@@ -1,8 +1,10 @@
 """stagemap: the heterogeneous cost model and the planner (no torch needed).
 
 Public API:
-- `evaluate_plan(job, plan, *, profile=None, emulate=False) -> PlanEstimate`
-- `search_plan(job, *, profile=None, options=None) -> PlanReport` (`RUNTIME_LAYOUTS`: what `train` runs)
+- `evaluate_plan(job, plan, *, profile=None, emulate=False, calibration=None) -> PlanEstimate`
+- `search_plan(job, *, profile=None, options=None, calibration=None) -> PlanReport` (`RUNTIME_LAYOUTS`: what
+  `train` runs); `calibration` (`stagemap.calibration`, fitted by `heteroflow calibrate`) defaults to the job's
+  `cluster.calibration`
 - `Profile`, `load_profile`, `save_profile` (measurements written by `heteroflow profile`)
 """
 

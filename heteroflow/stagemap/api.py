@@ -6,7 +6,9 @@ from time import perf_counter
 
 from heteroflow.config.job import JobConfig
 from heteroflow.stagemap.baselines import megatron_uniform
-from heteroflow.stagemap.estimate import evaluate_plan, job_hardware, resolve_profile
+from heteroflow.stagemap.calibration import Calibration
+from heteroflow.stagemap.estimate import (UNCALIBRATED, evaluate_plan, job_hardware, resolve_calibration,
+                                          resolve_profile)
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.explain import explain_infeasible
 from heteroflow.stagemap.profile import Profile
@@ -15,7 +17,8 @@ from heteroflow.stagemap.search import run_search
 from heteroflow.stagemap.space import SearchOptions, stage_precisions
 
 
-def search_plan(job: JobConfig, *, profile: Profile | None = None, options: SearchOptions | None = None) -> PlanReport:
+def search_plan(job: JobConfig, *, profile: Profile | None = None, options: SearchOptions | None = None,
+                calibration: Calibration | None = None) -> PlanReport:
     """Find the plan with the highest predicted throughput for `job` (its `plan:` section is ignored).
 
     Every stage computes in `train.precision` unless its device type cannot (`space.stage_precisions`): then
@@ -23,11 +26,14 @@ def search_plan(job: JobConfig, *, profile: Profile | None = None, options: Sear
     The result holds the best plan's estimate, the `megatron_uniform` and `best_single_type` baselines and
     the search time; when nothing fits, `problems` explains which device type lacks how much memory;
     `notes` names the device types whose precision differs from `train.precision` or that were left out.
+    `calibration` (default: the job's `cluster.calibration`) scales the device rates everywhere.
     """
     options = options or SearchOptions()
     start = perf_counter()
     profile = resolve_profile(job, profile)
-    hardware = job_hardware(job, profile)
+    calibration = resolve_calibration(job, calibration)
+    hardware = job_hardware(job, profile, calibration=calibration)
+    calibration = calibration or UNCALIBRATED  # resolved once: the estimates below must not read the file again
     result = run_search(job, hardware, options)
     uniform = megatron_uniform(job, hardware, options)
     best = result.best
@@ -35,17 +41,21 @@ def search_plan(job: JobConfig, *, profile: Profile | None = None, options: Sear
         best = uniform  # the uniform plan can lie outside the template space (stages spanning node parts)
     single = min(result.per_type.values(), key=lambda v: v[0], default=None)
     elapsed = perf_counter() - start
-    estimate = evaluate_plan(job, best[1], profile=profile) if best is not None else None
+    def estimate_of(plan):
+        return evaluate_plan(job, plan, profile=profile, calibration=calibration)
+
+    estimate = estimate_of(best[1]) if best is not None else None
     baselines = {
         "megatron_uniform": Baseline(name="megatron_uniform", reason=uniform if isinstance(uniform, str) else "",
-                                     estimate=None if isinstance(uniform, str) else evaluate_plan(job, uniform[1], profile=profile)),
+                                     estimate=None if isinstance(uniform, str) else estimate_of(uniform[1])),
         "best_single_type": Baseline(name="best_single_type", reason="" if single else "no single device type fits",
-                                     estimate=evaluate_plan(job, single[1], profile=profile) if single else None),
+                                     estimate=estimate_of(single[1]) if single else None),
     }
     problems = () if estimate is not None else tuple(explain_infeasible(job, hardware))
     stats = {"templates": result.templates, "templates_solved": result.solved}
+    note = calibration.note(emulate=False) if calibration.num_runs else None
     return PlanReport(estimate=estimate, baselines=baselines, search_time_s=elapsed, problems=problems,
-                      notes=tuple(precision_notes(job, hardware)), stats=stats)
+                      notes=tuple(precision_notes(job, hardware)), stats=stats, calibration=note)
 
 
 def precision_notes(job: JobConfig, hardware: Hardware) -> list[str]:

@@ -36,10 +36,12 @@ def all_gather_s(num_bytes: float, n: int, gb_per_s: float, latency_s: float) ->
 
 
 def dp_link(device: DeviceModel, hardware: Hardware, *, single_node: bool, tp: int, cp: int) -> tuple[float, float]:
-    """(GB/s, latency) of one DP ring of a stage."""
+    """(GB/s, latency) of one DP ring of a stage (bandwidth scaled by the calibration's `dp_comm`)."""
     if single_node or hardware.emulate:
-        return device.collective_link()
-    return min(device.intra_node_gb_per_s, hardware.inter_node_gb_per_s / (tp * cp)), hardware.inter_latency_s
+        gb_per_s, latency_s = device.collective_link()
+        return gb_per_s * device.dp_comm_efficiency, latency_s
+    gb_per_s = min(device.intra_node_gb_per_s, hardware.inter_node_gb_per_s / (tp * cp))
+    return gb_per_s * device.dp_comm_efficiency, hardware.inter_latency_s
 
 
 def boundary_s(num_bytes: float, hardware: Hardware, *, sender: DeviceModel, receiver: DeviceModel,

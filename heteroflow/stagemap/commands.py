@@ -17,19 +17,25 @@ def print_json(data: object) -> None:
 
 def plan_command(*, job_path: str, output: str | None = None, as_json: bool = False, gantt: str | None = None,
                  evaluate: str | None = None, profile_path: str | None = None, emulate: bool = False,
-                 max_micro_batch_size: int | None = None, all_layouts: bool = False) -> int:
+                 max_micro_batch_size: int | None = None, all_layouts: bool = False,
+                 calibration_path: str | None = None) -> int:
     """Search (or, with `evaluate`, estimate) a plan for a job; print a table or JSON; write files.
 
     The search covers the layouts `heteroflow train` runs (`RUNTIME_LAYOUTS`), or with `all_layouts` every
-    layout the cost model prices (ZeRO-3 too), for capacity planning.
+    layout the cost model prices (ZeRO-3 too), for capacity planning. `calibration_path` (default: the job's
+    `cluster.calibration`) scales the cost model's rates with fitted factors.
     """
     from heteroflow.config import load_job, load_plan_file
+    from heteroflow.config.catalog import CATALOG
+    from heteroflow.stagemap.calibration import load_calibration
     from heteroflow.stagemap import RUNTIME_LAYOUTS, SearchOptions, evaluate_plan, search_plan
     from heteroflow.stagemap.profile import load_profile
     from heteroflow.stagemap.report import format_estimate, format_report
 
     job = load_job(job_path)
     profile = load_profile(profile_path) if profile_path else None
+    calibration = (load_calibration(calibration_path, device_types=[*job.cluster.device_types, *CATALOG])
+                   if calibration_path else None)
     if evaluate is not None:
         if evaluate == "":
             if job.plan is None:
@@ -37,7 +43,7 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
             plan, source = job.plan, f"{job_path} (plan:)"
         else:
             plan, source = load_plan_file(evaluate, job), evaluate
-        estimate = evaluate_plan(job, plan, profile=profile, emulate=emulate)
+        estimate = evaluate_plan(job, plan, profile=profile, emulate=emulate, calibration=calibration)
         if as_json:
             print_json(estimate.to_json())
         else:
@@ -49,7 +55,7 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
     options = SearchOptions() if all_layouts else RUNTIME_LAYOUTS
     if max_micro_batch_size is not None:
         options = replace(options, max_micro_batch_size=max_micro_batch_size)
-    report = search_plan(job, profile=profile, options=options)
+    report = search_plan(job, profile=profile, options=options, calibration=calibration)
     if as_json:
         print_json(report.to_json())
     else:

@@ -227,7 +227,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     act = dtype_bytes(precision)
     tokens = mbs / dp * model.seq_length / cp
     lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
-    intra, intra_lat = dev.collective_link()
+    intra, intra_lat = dev.tp_link()
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
     act_bytes = tokens * model.hidden_size * act
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)

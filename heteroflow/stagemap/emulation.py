@@ -18,6 +18,7 @@ from heteroflow.config.catalog import CATALOG
 from heteroflow.config.device import DeviceSpec
 from heteroflow.config.model import ModelSpec
 from heteroflow.layout import PRECISIONS
+from heteroflow.stagemap.calibration import Calibration, apply_factors
 from heteroflow.stagemap.compute import layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware, apply_measurements, device_model, threads_per_process
 from heteroflow.stagemap.memory import dtype_bytes
@@ -26,16 +27,19 @@ from heteroflow.stagemap.profile import REFERENCE_SHAPE_KEYS, DeviceProfile, Pro
 
 def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, *,
                    profile: Profile | None = None, emulate: bool = False, num_ranks: int = 1,
-                   cores: int = 1) -> Hardware:
+                   cores: int = 1, calibration: Calibration | None = None) -> Hardware:
     """Device models for every device type of a cluster, one per precision it can train in
     (`DeviceSpec.supports`; a stage is priced at its own precision). Emulated: `num_ranks` local processes on a
-    host with `cores` cores, each device type priced as the local CPU computing in that precision."""
+    host with `cores` cores, each device type priced as the local CPU computing in that precision. A
+    `calibration` fitted in the same mode (emulated or not) scales each device type's rates."""
     models: dict[str, dict[str, DeviceModel]] = {}
+    if calibration is not None and not calibration.applies(emulate=emulate):
+        calibration = None
     if not emulate:
         for name, spec in device_types.items():
             found = {p: m for p in PRECISIONS if spec.supports(p) and (m := device_model(spec, p, profile)) is not None}
             if found:
-                models[name] = found
+                models[name] = _calibrated(found, name, calibration)
         return Hardware(models=models, inter_node_gb_per_s=inter_node_gb_per_s)
     threads = threads_per_process(cores, num_ranks)
     local: dict[str, DeviceModel] = {}
@@ -45,10 +49,18 @@ def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: flo
                 if p not in local:
                     local[p] = emulated_device(p, profile=profile, num_ranks=num_ranks, cores=cores)
                 models.setdefault(name, {})[p] = replace(local[p], name=name, vendor=spec.vendor)
+    models = {name: _calibrated(found, name, calibration) for name, found in models.items()}
     link = local.get("fp32") or emulated_device("fp32", profile=profile, num_ranks=num_ranks, cores=cores)
     return Hardware(models=models, inter_node_gb_per_s=link.intra_node_gb_per_s,
                     inter_latency_s=link.intra_latency_s, emulate=True, cores=max(1, cores),
                     threads_per_rank=threads)
+
+
+def _calibrated(models: dict[str, DeviceModel], name: str,
+                calibration: Calibration | None) -> dict[str, DeviceModel]:
+    if calibration is None:
+        return models
+    return {p: apply_factors(m, calibration.for_device(name)) for p, m in models.items()}
 
 
 def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, cores: int) -> DeviceModel:

@@ -11,6 +11,8 @@ from heteroflow.config.job import JobConfig
 from heteroflow.config.plan import PlanSpec, StageSpec
 from heteroflow.layout import OffloadSpec
 from heteroflow.errors import UserError
+from heteroflow.config.catalog import CATALOG
+from heteroflow.stagemap.calibration import Calibration, load_calibration
 from heteroflow.stagemap.comm import boundary_s
 from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
@@ -80,6 +82,8 @@ class PlanEstimate:
     bubble_fraction: float
     problems: tuple[str, ...] = ()
     emulate: bool = False
+    calibration: dict | None = field(default=None, hash=False)
+    """`Calibration.note` of the calibration the estimate was asked to use (None: uncalibrated)."""
 
     @property
     def feasible(self) -> bool:
@@ -96,6 +100,8 @@ class PlanEstimate:
             out["problems"] = list(self.problems)
         if self.emulate:
             out["emulate"] = True
+        if self.calibration is not None:
+            out["calibration"] = dict(self.calibration)
         return out
 
     def predicted(self) -> dict:
@@ -112,12 +118,27 @@ def resolve_profile(job: JobConfig, profile: Profile | None) -> Profile | None:
     return load_profile(job.resolve_path(job.cluster.profile))
 
 
-def job_hardware(job: JobConfig, profile: Profile | None, *, emulate: bool = False, num_ranks: int = 1) -> Hardware:
+def resolve_calibration(job: JobConfig, calibration: Calibration | None) -> Calibration | None:
+    """`calibration` if given, else the job's `cluster.calibration` file (relative to the job file), else None.
+    A calibration with no runs (`UNCALIBRATED`) means none, whatever the job names."""
+    if calibration is None and job.cluster.calibration:
+        calibration = load_calibration(job.resolve_path(job.cluster.calibration),
+                                       device_types=[*job.cluster.device_types, *CATALOG])
+    return calibration if calibration is not None and calibration.num_runs > 0 else None
+
+
+UNCALIBRATED = Calibration(factors={}, num_runs=0)
+"""Pass as `calibration=` to price with the uncalibrated model even when the job names a calibration."""
+
+
+def job_hardware(job: JobConfig, profile: Profile | None, *, emulate: bool = False, num_ranks: int = 1,
+                 calibration: Calibration | None = None) -> Hardware:
     """Device models of the job's cluster, per precision (emulated: `num_ranks` processes on the profiled
-    host, or on this machine when there is no profile)."""
+    host, or on this machine when there is no profile), scaled by `calibration` (already resolved)."""
     cores = profile.host.cpu_cores if profile is not None else (os.cpu_count() or 1)
     return build_hardware(job.cluster.device_types, job.cluster.inter_node_gb_per_s,
-                          profile=profile, emulate=emulate, num_ranks=num_ranks, cores=cores)
+                          profile=profile, emulate=emulate, num_ranks=num_ranks, cores=cores,
+                          calibration=calibration)
 
 
 def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tuple[StageHardware, frozenset[str]]:
@@ -132,21 +153,25 @@ def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tupl
 
 
 def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = None,
-                  emulate: bool = False) -> PlanEstimate:
+                  emulate: bool = False, calibration: Calibration | None = None) -> PlanEstimate:
     """Estimate `plan` for `job`. Stages that do not fit in memory are reported in `problems`.
 
     `emulate=True` prices the run `heteroflow train --emulate` would do: every rank a local CPU process
     (priced from the profile's `cpu_thread`, else the profiled local device or the catalog `cpu` entry), all
     ranks sharing the host's cores.
+    `calibration` (default: the job's `cluster.calibration`; `UNCALIBRATED`: none) scales the device rates
+    when it was fitted in the same mode (emulated or not); the estimate says which calibration it was given.
     """
     profile = resolve_profile(job, profile)
-    hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices)
+    calibration = resolve_calibration(job, calibration)
+    hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices, calibration=calibration)
     placed = [stage_hardware(job, hardware, s) for s in plan.stages]
     hws = [hw for hw, _ in placed]
     costs = [stage_costs(job.model, hw, s.layout, plan.micro_batch_size, hardware) for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
-    return assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
-                    threads_per_rank=hardware.threads_per_rank)
+    estimate = assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
+                        threads_per_rank=hardware.threads_per_rank)
+    return replace(estimate, calibration=calibration.note(emulate=emulate) if calibration is not None else None)
 
 
 def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageHardware, frozenset[str]]],

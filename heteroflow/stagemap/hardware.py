@@ -80,21 +80,28 @@ class DeviceModel:
     attention core is priced from the GEMM rate."""
     block_overhead_s: tuple[float, float] | None = None
     """Measured (forward, backward) host seconds of one decoder block; None: `launch_s` of its kernels."""
+    gemm_efficiency: float = 1.0
+    """Calibration (`stagemap.calibration`): multiplier of the GEMM and attention rates."""
+    tp_comm_efficiency: float = 1.0
+    """Calibration: multiplier of the tensor-parallel collectives' bandwidth."""
+    dp_comm_efficiency: float = 1.0
+    """Calibration: multiplier of the data-parallel reduction's bandwidth."""
 
     def gemm_tflops(self, dim: float) -> float:
         """Effective TFLOP/s of a GEMM whose smallest dimension is `dim`."""
         if self.measured is not None:
             rate = self.measured.gemm_rate_tflops(self.precision, dim)
             if rate is not None:
-                return rate * self.share
-        return self.peak_tflops * self.eff_max * dim / (dim + self.eff_half_dim) * self.share
+                return rate * self.share * self.gemm_efficiency
+        return self.peak_tflops * self.eff_max * dim / (dim + self.eff_half_dim) * self.share * self.gemm_efficiency
 
     def attention_rates(self, head_dim: float) -> tuple[float, float] | None:
         """Measured (forward, backward) TFLOP/s of the attention core, or None."""
         if not self.attention_tflops:
             return None
-        return (curve_rate(self.attention_tflops, head_dim, 1) * self.share,
-                curve_rate(self.attention_tflops, head_dim, 2) * self.share)
+        scale = self.share * self.gemm_efficiency
+        return (curve_rate(self.attention_tflops, head_dim, 1) * scale,
+                curve_rate(self.attention_tflops, head_dim, 2) * scale)
 
     def gemm_s(self, m: float, n: float, k: float, dtype_bytes: int) -> float:
         """Seconds for one (m x k) @ (k x n) GEMM: compute at the effective rate, or memory traffic if slower."""
@@ -113,6 +120,12 @@ class DeviceModel:
         if self.collective_gb_per_s > 0:
             return self.collective_gb_per_s, self.collective_latency_s
         return self.intra_node_gb_per_s, self.intra_latency_s
+
+    def tp_link(self) -> tuple[float, float]:
+        """(GB/s, latency per ring step) of the stage's tensor-parallel collectives (`collective_link`, scaled
+        by the calibration's `tp_comm`)."""
+        gb_per_s, latency_s = self.collective_link()
+        return gb_per_s * self.tp_comm_efficiency, latency_s
 
     def memory_s(self, num_bytes: float) -> float:
         """Seconds to stream `num_bytes` through device memory (elementwise kernels)."""

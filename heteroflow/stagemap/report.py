@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from heteroflow.stagemap.calibration import describe_note
 from heteroflow.stagemap.estimate import PlanEstimate
 
 
@@ -41,6 +42,8 @@ class PlanReport:
     """What the search changed or left out, one line each (device types that cannot train in
     `train.precision` and get another precision; device types that can train in none)."""
     stats: dict = field(default_factory=dict)
+    calibration: dict | None = None
+    """`Calibration.note` of the calibration the search used (None: uncalibrated)."""
 
     @property
     def feasible(self) -> bool:
@@ -65,6 +68,8 @@ class PlanReport:
             out["notes"] = list(self.notes)
         if self.stats:
             out["search"] = dict(self.stats)
+        if self.calibration is not None:
+            out["calibration"] = dict(self.calibration)
         return out
 
 
@@ -93,6 +98,8 @@ def format_estimate(e: PlanEstimate, title: str) -> str:
                  f"{e.plan.num_devices} devices, bubble {e.bubble_fraction:.1%}")
     lines.append(f"step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"
                  + (" (emulated on this machine)" if e.emulate else ""))
+    if e.calibration is not None:
+        lines.append(describe_note(e.calibration))
     for problem in e.problems:
         lines.append(f"does not fit: {problem}")
     return "\n".join(lines)
@@ -123,6 +130,8 @@ def format_report(report: PlanReport) -> str:
         lines = [f"no plan fits (searched in {report.search_time_s:.2f} s):"]
         lines += [f"  {p}" for p in report.problems]
         lines.append(format_baselines(report.baselines, None))
+        if report.calibration is not None:
+            lines.append(describe_note(report.calibration))
         return "\n".join(lines + notes)
     title = f"best plan (searched in {report.search_time_s:.2f} s)"
     return "\n".join([format_estimate(report.estimate, title), format_baselines(report.baselines, report.estimate),

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from heteroflow.runtime.metrics import read_step_records
 
 
 def heteroflow(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -45,7 +46,7 @@ def test_train_resume_from_the_cli_under_another_plan(tmp_path, write_yaml):
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from" in resumed.stdout and "step-000002" in resumed.stdout
     assert "done, 1 steps (resumed at step 2)" in resumed.stdout
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_step_records(metrics)
     assert [r["step"] for r in records] == [0, 1, 2]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002", "step-000003"]
     meta = json.loads((tmp_path / "ckpt" / "step-000003" / "metadata.json").read_text())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from heteroflow.config import parse_job
+from heteroflow.runtime.metrics import read_step_records
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs, run_worker
 from heteroflow.testing import run_ranks
@@ -68,7 +69,7 @@ def test_resume_under_another_plan_continues_the_uninterrupted_losses(tmp_path, 
     assert len(losses) == STEPS
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         assert got == pytest.approx(want, rel=1e-5), f"step {step}"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_step_records(metrics)
     assert [r["step"] for r in records] == list(range(STEPS))  # resumed steps carry their true numbers
     assert [r["loss"] for r in records] == losses
     weights = _assemble(resumed)

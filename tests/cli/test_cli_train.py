@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
+from heteroflow.runtime.metrics import read_metrics, read_step_records
 
 
 def heteroflow(*args: str, env_cache) -> subprocess.CompletedProcess:
@@ -28,13 +28,22 @@ def test_train_emulated_three_vendor_job_writes_metrics(tmp_path, env_cache):
     result = heteroflow("train", "configs/jobs/emulated-three-vendor.yaml", "--emulate", "--steps", "4",
                         "--metrics", str(metrics), "--log-dir", str(tmp_path / "logs"), env_cache=env_cache)
     assert result.returncode == 0, result.stdout + result.stderr
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_step_records(metrics)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for record in records:
         assert {"step", "loss", "tokens_per_s", "step_time_s", "predicted_step_time_s"} <= record.keys()
         assert record["tokens_per_s"] > 0 and record["step_time_s"] > 0
     assert records[-1]["loss"] < records[0]["loss"]
     assert "step 4/4" in result.stdout and "done, 4 steps" in result.stdout
+    # The header says what was measured, so the file alone calibrates the cost model.
+    (header, steps), = read_metrics(metrics)
+    assert header["version"] == 1 and header["emulate"] is True and len(steps) == 4
+    assert header["job"]["model"]["num_layers"] and len(header["plan"]["stages"]) == 3
+    assert header["predicted_step_time_s"] == records[0]["predicted_step_time_s"]
+    calibrated = heteroflow("calibrate", "configs/jobs/emulated-three-vendor.yaml", str(metrics), "-o",
+                            str(tmp_path / "cal.yaml"), env_cache=env_cache)
+    assert calibrated.returncode == 0, calibrated.stdout + calibrated.stderr
+    assert "calibrated from 1 emulated run" in calibrated.stdout
 
 
 def test_train_bad_input_exits_2_without_traceback(tmp_path, env_cache, write_yaml):
@@ -70,7 +79,7 @@ def test_train_with_offload_tiers_checkpoints_and_leaves_no_swap_files(tmp_path,
     result = heteroflow("train", str(job), "--emulate", "--metrics", str(metrics), env_cache=env_cache)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stage 0 offload {optimizer: ssd, params: ssd, activations: device}: adam " in result.stdout
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+    assert [r["step"] for r in read_step_records(metrics)] == [0, 1, 2]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002", "step-000003"]
     assert list((tmp_path / "swap").iterdir()) == []  # the ranks made their directories there and removed them
 

@@ -3,7 +3,6 @@ process on this machine. The plan puts ranks 0 and 3 on node a and 1, 2 on node 
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -12,6 +11,7 @@ from conftest import REPO
 
 from heteroflow.config import parse_job
 from heteroflow.launcher.launch import free_port
+from heteroflow.runtime.metrics import read_step_records
 from heteroflow.runtime.worker import WorkerArgs, run_worker
 from heteroflow.testing import run_ranks
 from multinode_helpers import job_dict, outputs, start_nodes, stop_all, wait_nodes, write_job
@@ -36,7 +36,7 @@ def single_node_losses(data_dir: str) -> list[float]:
 
 
 def metrics_losses(path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
+    return [(r["step"], r["loss"]) for r in read_step_records(path)]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from heteroflow.errors import UserError
-from heteroflow.runtime.metrics import StepRecord
+from heteroflow.runtime.metrics import StepRecord, read_step_records
 from heteroflow.runtime.user_errors import (ENV_ERROR_DIR, error_dir, read_user_errors, record_user_error,
                                             user_error_message)
 
@@ -64,7 +64,7 @@ def test_a_diverging_run_stops_before_applying_the_bad_step_and_exits_2(tmp_path
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "training diverged" in result.stderr and "that step was not applied" in result.stderr
     assert str(tmp_path / "logs") in result.stderr  # where the ranks' logs (and elastic's tracebacks) are
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_step_records(metrics)
     assert records and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
     diverged_at = len(records)  # the step that saw the non-finite figures wrote no record and no checkpoint
     assert f"at step {diverged_at}" in result.stderr

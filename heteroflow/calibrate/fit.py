@@ -1,0 +1,145 @@
+"""Fitting calibration factors to measured runs: damped Gauss-Newton on log step times with a ridge prior.
+
+The unknowns are the log of each factor (`stagemap.calibration.FACTORS`) of each device type the runs'
+plans use. With `r_i(theta) = log(predicted_i(theta)) - log(measured_i)` the fit minimizes
+
+    sum_i r_i(theta)^2 + prior_weight^2 * |theta|^2
+
+(the prior pulls every factor toward 1.0, the uncalibrated model). The Jacobian is taken numerically on the
+cost model itself (`evaluate_plan`), so whatever the model does with a rate, the fit sees. A factor is
+"not pinned down" when the runs do not determine it: its diagonal entry of the resolution matrix
+`(J'J + w^2 I)^-1 J'J` is below `PINNED_RESOLUTION` (no sensitivity at all, or one that other factors can
+trade against, as in a rank-deficient Jacobian); it then stays near its prior.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from heteroflow.calibrate.runs import Run
+from heteroflow.errors import UserError
+from heteroflow.stagemap.calibration import FACTOR_LIMIT, FACTORS, Calibration, DeviceFactors
+from heteroflow.stagemap.estimate import UNCALIBRATED, evaluate_plan, resolve_profile
+
+PRIOR_WEIGHT = 0.05
+"""Weight of the prior in log space: a factor of 2 costs as much as a 3.5% misfit of one run."""
+PINNED_RESOLUTION = 0.5
+STEP_LOG = 1e-3
+"""Finite-difference step on a log-factor."""
+MAX_ITERATIONS = 50
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fit:
+    """The fitted calibration and how well it explains each run."""
+
+    calibration: Calibration
+    params: tuple[str, ...]
+    """`DEVICE_TYPE.factor` of every fitted unknown."""
+    sensitivity: tuple[float, ...]
+    """Per unknown, the largest |d log(step time) / d log(factor)| over the runs."""
+    resolution: tuple[float, ...]
+    """Per unknown, how much the runs (not the prior) determine it (0 to 1)."""
+    predicted_before_s: tuple[float, ...]
+    predicted_after_s: tuple[float, ...]
+    runs: tuple[Run, ...]
+
+
+def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
+                    prior_weight: float = PRIOR_WEIGHT) -> Fit:
+    """Fit `factors` of every device type the runs use, from their measured step times."""
+    modes = {run.emulate for run in runs}
+    if len(modes) > 1:
+        emulated = [r.source for r in runs if r.emulate][:3]
+        raise UserError("the runs mix emulated and real runs (emulated: " + ", ".join(emulated) + "); "
+                        "calibrate each kind separately: an emulated rank is a CPU process, whatever its label")
+    emulate = modes.pop()
+    unknown = [f for f in factors if f not in FACTORS]
+    if unknown:
+        raise UserError(f"--factors: unknown factor {unknown[0]!r}; choose among {', '.join(FACTORS)}")
+    device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
+    params = [(d, f) for d in device_types for f in factors]
+    measured = np.log([run.measured_step_time_s for run in runs])
+    profiles = [resolve_profile(run.job, None) for run in runs]  # read once, not at every evaluation
+
+    def calibration_of(theta: np.ndarray) -> Calibration:
+        values: dict[str, dict[str, float]] = {d: {} for d in device_types}
+        for (d, f), t in zip(params, theta):
+            values[d][f] = math.exp(t)
+        return Calibration(factors={d: DeviceFactors(**v) for d, v in values.items()}, num_runs=len(runs),
+                           emulate=emulate)
+
+    def log_predicted(theta: np.ndarray) -> np.ndarray:
+        calibration = calibration_of(theta) if len(theta) else UNCALIBRATED
+        return np.log([evaluate_plan(run.job, run.plan, profile=profile, emulate=run.emulate,
+                                     calibration=calibration).step_time_s
+                       for run, profile in zip(runs, profiles)])
+
+    def jacobian(theta: np.ndarray, base: np.ndarray) -> np.ndarray:
+        columns = []
+        for j in range(len(theta)):
+            shifted = theta.copy()
+            shifted[j] += STEP_LOG
+            columns.append((log_predicted(shifted) - base) / STEP_LOG)
+        return np.stack(columns, axis=1) if columns else np.zeros((len(runs), 0))
+
+    before = log_predicted(np.zeros(len(params))).tolist()  # all factors 1.0: the uncalibrated model
+    theta, prediction = _solve(log_predicted, jacobian, measured, len(params), prior_weight, before)
+    jac = jacobian(theta, prediction)
+    gram = jac.T @ jac
+    resolution = np.diag(np.linalg.solve(gram + prior_weight ** 2 * np.eye(len(params)), gram)) if params else []
+    names = tuple(f"{d}.{f}" for d, f in params)
+    not_pinned = tuple(n for n, r in zip(names, resolution) if r < PINNED_RESOLUTION)
+    after = np.exp(prediction).tolist()
+    records = tuple({"source": run.source, "measured_step_time_s": _g(run.measured_step_time_s),
+                     "predicted_before_s": _g(math.exp(b)), "predicted_after_s": _g(a),
+                     "ratio_before": round(math.exp(b) / run.measured_step_time_s, 4),
+                     "ratio_after": round(a / run.measured_step_time_s, 4)}
+                    for run, b, a in zip(runs, before, after))
+    calibration = calibration_of(theta)
+    calibration = Calibration(factors=calibration.factors, num_runs=len(runs), emulate=emulate,
+                              not_pinned_down=not_pinned, runs=records)
+    return Fit(calibration=calibration, params=names, sensitivity=tuple(float(np.abs(c).max()) for c in jac.T),
+               resolution=tuple(float(r) for r in resolution), predicted_before_s=tuple(math.exp(b) for b in before),
+               predicted_after_s=tuple(after), runs=tuple(runs))
+
+
+def _solve(log_predicted, jacobian, measured: np.ndarray, k: int, weight: float,
+           start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Levenberg-Marquardt on `|log_predicted(theta) - measured|^2 + weight^2 |theta|^2` from theta = 0;
+    returns theta and log_predicted(theta)."""
+    theta, prediction = np.zeros(k), start
+    if k == 0:
+        return theta, prediction
+    low, high = math.log(FACTOR_LIMIT[0]), math.log(FACTOR_LIMIT[1])
+
+    def cost(t: np.ndarray, p: np.ndarray) -> float:
+        return float(np.sum((p - measured) ** 2) + weight ** 2 * np.sum(t ** 2))
+
+    damping, current = 1e-3, cost(theta, prediction)
+    for _ in range(MAX_ITERATIONS):
+        jac = jacobian(theta, prediction)
+        gram = jac.T @ jac + weight ** 2 * np.eye(k)
+        gradient = jac.T @ (prediction - measured) + weight ** 2 * theta
+        improved = False
+        while damping < 1e8:
+            step = np.linalg.solve(gram + damping * np.diag(np.diag(gram)), gradient)
+            trial = np.clip(theta - step, low, high)
+            trial_prediction = log_predicted(trial)
+            trial_cost = cost(trial, trial_prediction)
+            if trial_cost < current:
+                theta, prediction, current = trial, trial_prediction, trial_cost
+                damping = max(damping / 10, 1e-9)
+                improved = True
+                break
+            damping *= 10
+        if not improved or np.max(np.abs(step)) < 1e-7:
+            break
+    return theta, prediction
+
+
+def _g(value: float) -> float:
+    return float(f"{value:.6g}")
