@@ -22,6 +22,10 @@ class StepRecord:
     lr: float
     grad_norm: float
     predicted_step_time_s: float | None = None
+    loss_scale: float | None = None
+    """The loss scale this step's loss was multiplied by (runs with loss scaling only)."""
+    skipped: bool | None = None
+    """Whether the step was skipped for an inf or nan gradient (runs with loss scaling only)."""
 
     def to_json(self) -> str:
         """One JSONL line (strict JSON: a non-finite figure is written as null)."""
