@@ -162,3 +162,16 @@ def test_resume_under_another_plan_restores_the_scale_and_hysteresis(data_dir, t
         [(3, True, 2.0**15), (4, False, 2.0**14)]
     assert metadata(ckpt / "step-000005")["loss_scaler"] == {"scale": 2.0**14, "growth_tracker": 1,
                                                              "hysteresis_tracker": -1}
+
+
+@pytest.mark.slow
+def test_a_skipped_step_drops_the_offloaded_stages_gradients(data_dir, tmp_path):
+    """A stage whose optimizer state lives on the host accumulates gradients there: a skipped step must
+    forget them, or the inf would poison the next step too (and every one after it)."""
+    plan = {**TWO_STAGES, "stages": [TWO_STAGES["stages"][0],
+                                     {**TWO_STAGES["stages"][1], "offload": {"optimizer": "cpu"}}]}
+    train = {"precision": "fp16", "initial_loss_scale": 2.0**16, "hysteresis": 1, "offload_dir": str(tmp_path)}
+    _, records = train_run(data_dir, train=train, plan=plan, steps=3, metrics=tmp_path / "m.jsonl",
+                           env={"HETEROFLOW_INJECT_GRAD": "inf@1:1", "HETEROFLOW_CPU_ADAM": "torch"})
+    assert [(r["skipped"], r["loss_scale"]) for r in records] == [(False, 2.0**16), (True, 2.0**16),
+                                                                  (False, 2.0**15)]
