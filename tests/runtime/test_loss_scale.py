@@ -175,3 +175,26 @@ def test_a_skipped_step_drops_the_offloaded_stages_gradients(data_dir, tmp_path)
                            env={"HETEROFLOW_INJECT_GRAD": "inf@1:1", "HETEROFLOW_CPU_ADAM": "torch"})
     assert [(r["skipped"], r["loss_scale"]) for r in records] == [(False, 2.0**16), (True, 2.0**16),
                                                                   (False, 2.0**15)]
+
+
+def _rank_with_overflow_limit(rank: int, world_size: int, args: WorkerArgs, limit: int):
+    import heteroflow.runtime.worker as worker
+
+    worker.MAX_STUCK_OVERFLOWS = limit  # this rank's process only
+    return run_worker(args)
+
+
+@pytest.mark.slow
+def test_overflows_that_no_back_off_can_cure_are_divergence(data_dir):
+    """At a static scale every overflow is skipped, but a run of them in a row (20 by default, 3 here)
+    stops training with a message that says why; a clean step in between starts the count again."""
+    from heteroflow.testing.multiproc import MultiprocError
+
+    job = parse_job({"cluster": TWO_NODES, "model": MODEL, "plan": TWO_STAGES,
+                     "train": {**TRAIN, "precision": "fp16", "loss_scale": 1, "steps": 6}})
+    args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=6, data_dir=data_dir, show_progress=False,
+                      timeout_s=120)
+    with pytest.raises(MultiprocError, match="training diverged: the gradients held an inf or nan in 3 steps in "
+                                             "a row up to step 4, at its static loss scale 1"):
+        run_ranks(_rank_with_overflow_limit, 2, args, 3, timeout_s=300,
+                  env={"HETEROFLOW_INJECT_GRAD": "inf@0:0,inf@1:2,nan@1:3,inf@0:4"})
