@@ -55,3 +55,23 @@ def test_bf16_takes_a_static_scale_and_ignores_the_dynamic_flags(tmp_path):
 def test_bad_values_are_errors(tmp_path, args, message):
     with pytest.raises(MegatronRuleError, match=message):
         import_args(tmp_path, args, base=FP16)
+
+
+def test_export_uses_the_stages_precision_and_refuses_a_mix():
+    from heteroflow.config import parse_job
+    from heteroflow.errors import UserError
+    from heteroflow.megatron import export_megatron
+
+    def job(precisions):
+        stages = [{"devices": [f"gpu-{k}"], "layers": 2, **({"precision": p} if p else {})}
+                  for k, p in enumerate(precisions)]
+        return parse_job({"cluster": {"nodes": [{"name": f"gpu-{k}", "device": "nvidia-a100-80g", "count": 1}
+                                                for k in range(2)]},
+                          "model": {"preset": "micro-llama"},
+                          "train": {"global_batch_size": 8, "precision": "bf16", "hysteresis": 3},
+                          "plan": {"micro_batch_size": 1, "stages": stages}})
+
+    argv = export_megatron(job(["fp16", "fp16"])).argv()
+    assert "--fp16" in argv and "--bf16" not in argv and argv[argv.index("--hysteresis") + 1] == "3"
+    with pytest.raises(UserError, match="differ in precision"):
+        export_megatron(job([None, "fp16"]))
