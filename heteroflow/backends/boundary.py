@@ -29,10 +29,12 @@ FORWARD_TAGS, BACKWARD_TAGS = 0, MAX_PIECES
 
 class StageBoundary:
     """Activations forward and gradients backward between `src_stage` and `src_stage + 1`, for
-    micro-batch activations of logical `shape` `[batch, seq, hidden]`, on this rank."""
+    micro-batch activations of logical `shape` `[batch, seq, hidden]`, on this rank. Activations cross in
+    `dtype`, gradients in `grad_dtype` (default `dtype`): stages of different precisions each send their own."""
 
     def __init__(self, groups: ProcessGroups, src_stage: int, *, shape: Sequence[int], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", grad_replicas: SourceReplicas = "identical"):
+                 grad_dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 grad_replicas: SourceReplicas = "identical"):
         rank_map, rank = groups.rank_map, groups.rank
         self.link = groups.link(src_stage)
         self.src_stage = src_stage
@@ -44,7 +46,8 @@ class StageBoundary:
         self._forward = RemapExecutor(self.forward_plan, rank=rank, transport=self.link.transport, dtype=dtype,
                                       device=device, fanout_group=None if on_src else groups.fanout,
                                       tag_base=FORWARD_TAGS)
-        self._backward = RemapExecutor(self.backward_plan, rank=rank, transport=self.link.transport, dtype=dtype,
+        self._backward = RemapExecutor(self.backward_plan, rank=rank, transport=self.link.transport,
+                                       dtype=grad_dtype if grad_dtype is not None else dtype,
                                        device=device, fanout_group=groups.fanout if on_src else None,
                                        reduce_group=None if on_src else groups.fanout, tag_base=BACKWARD_TAGS)
         self.is_sender = on_src

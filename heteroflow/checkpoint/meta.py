@@ -74,6 +74,6 @@ def train_differences(meta: dict, train: dict) -> list[str]:
     """Train settings that differ from the checkpoint's (allowed, but reported: they change the run)."""
     saved = meta.get("train") or {}
     keys = ("global_batch_size", "seed", "data", "lr", "min_lr", "warmup_steps", "steps", "weight_decay",
-            "grad_clip", "adam_beta1", "adam_beta2", "adam_eps", "precision")
+            "grad_clip", "adam_beta1", "adam_beta2", "adam_eps", "precision", "loss_scale")
     return [f"train.{k}: checkpoint {saved.get(k)!r}, job {train.get(k)!r}"
             for k in keys if saved.get(k) != train.get(k)]

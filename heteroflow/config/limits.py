@@ -124,6 +124,12 @@ ADAM_BETA = Range(0.0, 1.0, max_exclusive=True)
 """`train.adam_beta1`, `adam_beta2`."""
 ADAM_EPS = positive(1.0)
 """`train.adam_eps`."""
+LOSS_SCALE = positive(1e30)
+"""`train.loss_scale` (a static scale), `initial_loss_scale`, `min_loss_scale` (Megatron starts at 2**32)."""
+LOSS_SCALE_WINDOW = integers(1, 10**9)
+"""`train.loss_scale_window`: overflow-free steps before the dynamic scale grows."""
+HYSTERESIS = integers(1, 10**6)
+"""`train.hysteresis`: overflows tolerated before the dynamic scale backs off."""
 
 # --- plan --------------------------------------------------------------------------------------------
 FILE_VERSION = integers(1, 1_000_000)

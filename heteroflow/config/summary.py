@@ -24,7 +24,9 @@ def summarize_job(job: JobConfig) -> str:
         f"  cluster: {len(job.cluster.nodes)} nodes, {job.cluster.num_devices} devices: {devices}",
         f"  model:   {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.num_kv_heads} kv), seq {m.seq_length}, {human_count(m.num_params())} parameters",
-        f"  train:   global batch {t.global_batch_size}, {t.precision}, {t.steps} steps, lr {t.lr:g}",
+        f"  train:   global batch {t.global_batch_size}, {t.precision}, {t.steps} steps, lr {t.lr:g}"
+        + (f", loss scale {t.loss_scale if isinstance(t.loss_scale, str) else format(t.loss_scale, 'g')}"
+           if t.loss_scale is not None else ""),
     ]
     if job.plan is None:
         lines.append("  plan:    auto (run `heteroflow plan` to see it)")
@@ -36,5 +38,6 @@ def summarize_job(job: JobConfig) -> str:
                          f"tp {stage.layout.tp} dp {stage.layout.dp}" + (" sp" if stage.layout.sp else "")
                          + (f" zero{stage.layout.zero}" if stage.layout.zero else "")
                          + (f" recompute={stage.layout.recompute}" if stage.layout.recompute != "none" else "")
-                         + (f" offload={stage.layout.offload.to_dict()}" if stage.layout.offload.any else ""))
+                         + (f" offload={stage.layout.offload.to_dict()}" if stage.layout.offload.any else "")
+                         + (f" {stage.layout.precision}" if stage.layout.precision else ""))
     return "\n".join(lines)

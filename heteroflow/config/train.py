@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -69,6 +70,16 @@ class TrainSpec:
     """A Hugging Face-format Llama/Qwen2 checkpoint directory to start from."""
     checkpoint: CheckpointSpec | None = None
     """Periodic checkpoints; None writes none."""
+    loss_scale: str | float | None = None
+    """`dynamic`, or a static scale (a number); None: dynamic when any stage computes in fp16, else no scaling."""
+    initial_loss_scale: float = 2.0**32
+    """Dynamic loss scaling: the scale of the first step (Megatron's default)."""
+    min_loss_scale: float = 1.0
+    """Dynamic loss scaling: the scale never backs off below this."""
+    loss_scale_window: int = 1000
+    """Dynamic loss scaling: clean steps in a row before the scale doubles."""
+    hysteresis: int = 2
+    """Dynamic loss scaling: overflowing steps tolerated (since the scale last grew) before it halves."""
     offload_dir: str | None = None
     """Where stages with an `ssd` offload tier keep their scratch swap files (resolved relative to the job
     file; never inside `checkpoint.dir`); None: `$HETEROFLOW_SWAP_DIR`, else the system temp directory."""
@@ -101,6 +112,7 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
     }
     for name, limit in _NUMBER_LIMITS.items():
         values[name] = sec.number(name, d[name].default, limit=limit)
+    values.update(_loss_scale_settings(sec, problems))
     data_sec = sec.mapping("data", None)
     values["data"] = None
     if data_sec is not None:
@@ -127,12 +139,41 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
         problems.add(sec.at("offload_dir"), f"{offload_dir!r} is inside train.checkpoint.dir {ckpt.dir!r}; swap files "
                      "are scratch and must never mix with checkpoints: choose a directory outside it")
         return None
-    optional = ("init_from", "data", "checkpoint", "offload_dir")
+    optional = ("init_from", "data", "checkpoint", "offload_dir", "loss_scale")
     if not sec.valid or any(v is None for k, v in values.items() if k not in optional):
         return None
     if (data_sec is not None and values["data"] is None) or (ckpt_sec is not None and values["checkpoint"] is None):
         return None
     return TrainSpec(**values)
+
+
+def _loss_scale_settings(sec: Section, problems: Problems) -> dict:
+    """`loss_scale` (`dynamic` or a finite positive number) and the dynamic scaler's settings (finite and
+    positive; the window and hysteresis integers); dynamic settings next to a static scale are refused."""
+    d = TrainSpec.__dataclass_fields__
+    values: dict = {"loss_scale": None}
+    raw = sec.raw("loss_scale", None)
+    if isinstance(raw, str):
+        values["loss_scale"] = sec.string("loss_scale", None, choices=("dynamic",))
+    elif raw is not None:
+        values["loss_scale"] = sec.number("loss_scale", None, limit=limits.LOSS_SCALE)
+    for name in ("initial_loss_scale", "min_loss_scale"):
+        values[name] = sec.number(name, d[name].default, limit=limits.LOSS_SCALE)
+    values["loss_scale_window"] = sec.integer("loss_scale_window", d["loss_scale_window"].default,
+                                              limit=limits.LOSS_SCALE_WINDOW)
+    values["hysteresis"] = sec.integer("hysteresis", d["hysteresis"].default, limit=limits.HYSTERESIS)
+    initial, minimum = values["initial_loss_scale"], values["min_loss_scale"]
+    if initial is not None and minimum is not None and minimum > initial:
+        problems.add(sec.at("min_loss_scale"), f"{minimum:g} is above initial_loss_scale {initial:g}; "
+                     "min_loss_scale must not exceed it")
+        values["min_loss_scale"] = None
+    if isinstance(values["loss_scale"], float):
+        for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
+            if sec.has(name):
+                problems.add(sec.at(name), f"applies to dynamic loss scaling only, but loss_scale is the static "
+                             f"{values['loss_scale']:g}; remove it, or set loss_scale: dynamic")
+                values[name] = None
+    return values
 
 
 def _inside(path: str, directory: str) -> bool:

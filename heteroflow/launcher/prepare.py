@@ -121,10 +121,6 @@ def check_runnable(plan: PlanSpec) -> None:
         raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
                         "use cp: 1")
     check_offload_plan(plan)
-    for k, stage in enumerate(plan.stages):
-        if stage.layout.precision is not None:
-            raise UserError(f"plan.stages[{k}].precision: a precision per stage is validated but not run by the "
-                            "runtime yet; remove it and set train.precision for the whole job")
     if any(stage.layout.zero == 3 for stage in plan.stages):
         raise UserError("ZeRO-3 is priced by the planner (`heteroflow plan --all-layouts`) but not run by the "
                         "runtime yet; use zero: 0, 1 or 2, or let `heteroflow plan` (without --all-layouts) choose")

@@ -26,7 +26,6 @@ IGNORED_GROUPS = {
     "init": "weight-initialisation detail; heteroflow initialises the model itself",
     "tokenizer": "tokenizer files: only the vocabulary size enters the job",
     "inference": "inference-only option",
-    "loss_scale": "fp16 loss-scaling detail; heteroflow's fp16 uses its own dynamic loss scaling",
     "numerics": "numerical detail of the same model (same shapes, same cost)",
     "deprecated": "deprecated Megatron flag without effect",
     "optimizer_extra": "used only by an optimizer other than Adam",
@@ -357,8 +356,11 @@ _many("runtime", "true", "--exit-signal-handler", "--no-check-for-nan-in-loss-an
       "--disable-msc", "--inprocess-restart")
 _many("init", "float", "--init-method-std", "--embedding-init-method-std")
 _many("init", "true", "--data-parallel-random-init", "--init-method-xavier-uniform", "--use-cpu-initialization")
-_many("loss_scale", "float", "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window")
-_many("loss_scale", "int", "--hysteresis")
+_add(MAPPED, "float", "--loss-scale")
+_add(MAPPED, "float", "--initial-loss-scale", default=2.0**32)
+_add(MAPPED, "float", "--min-loss-scale", default=1.0)
+_add(MAPPED, "float", "--loss-scale-window", default=1000.0)
+_add(MAPPED, "int", "--hysteresis", default=2)
 _many("numerics", "true", "--fp32-residual-connection", "--apply-query-key-layer-scaling",
       "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--fp16-lm-cross-entropy",
       "--disable-bf16-reduced-precision-matmul")

@@ -127,6 +127,7 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
     zero = _same([s.layout.zero for s in stages], "ZeRO stage")
     recompute = _same([s.layout.recompute for s in stages], "recompute")
     offload = _same([s.layout.offload for s in stages], "offload")
+    precision = _same([s.layout.compute_precision(job.train.precision) for s in stages], "precision")
     nnodes, nproc, notes = _placement(job)
     m, t = job.model, job.train
     notes = list(notes)
@@ -167,7 +168,8 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
                 str(t.warmup_steps), "--weight-decay", repr(t.weight_decay), "--adam-beta1", repr(t.adam_beta1),
                 "--adam-beta2", repr(t.adam_beta2), "--adam-eps", repr(t.adam_eps), "--clip-grad", repr(t.grad_clip),
                 "--seed", str(t.seed)]
-    training += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[t.precision]
+    training += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[precision]
+    training += _loss_scale_args(t, precision, notes)
     parallel = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(len(stages))]
     if cp != 1:
         parallel += ["--context-parallel-size", str(cp)]
@@ -207,3 +209,26 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
     return MegatronCommand(nnodes, nproc, (("MODEL_ARGS", tuple(model)), ("TRAINING_ARGS", tuple(training)),
                                            ("MODEL_PARALLEL_ARGS", tuple(parallel)), ("DATA_ARGS", tuple(data))),
                            tuple(notes), job.base_dir)
+
+
+def _loss_scale_args(t, precision: str, notes: list[str]) -> list[str]:
+    """Megatron's grad-scaler flags for the job's loss scaling (only values that differ from Megatron's
+    defaults, which are heteroflow's)."""
+    if isinstance(t.loss_scale, float):
+        if precision == "fp32":
+            notes.append("Megatron applies train.loss_scale only with --fp16 or --bf16: in fp32 it is dropped")
+            return []
+        return ["--loss-scale", repr(t.loss_scale)]
+    if precision != "fp16":
+        if t.loss_scale == "dynamic":
+            notes.append(f"Megatron scales the loss dynamically only with --fp16: train.loss_scale dynamic in "
+                         f"{precision} is dropped")
+        return []
+    args = []
+    for flag, key, default in (("--initial-loss-scale", "initial_loss_scale", 2.0**32),
+                               ("--min-loss-scale", "min_loss_scale", 1.0),
+                               ("--loss-scale-window", "loss_scale_window", 1000), ("--hysteresis", "hysteresis", 2)):
+        value = getattr(t, key)
+        if value != default:
+            args += [flag, repr(value)]
+    return args

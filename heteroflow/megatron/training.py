@@ -33,6 +33,7 @@ def map_train(ctx: Context, layout: MegatronLayout, vocab_size: int | None) -> d
     train = {"global_batch_size": gbs, "micro_batch_size": layout.plan_micro_batch_size, "precision": precision,
              "steps": steps, "seed": seed, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup, "weight_decay": wd,
              **values}
+    train.update(_loss_scale(ctx, precision))
     data = _data(ctx, vocab_size)
     if data is not None:
         train["data"] = data
@@ -49,6 +50,45 @@ def _precision(ctx: Context) -> str:
     if precision == "fp32":
         ctx.default("bf16", "mapped", "train.precision = fp32 (neither --bf16 nor --fp16)")
     return precision
+
+
+_DYNAMIC = (("initial_loss_scale", "initial_loss_scale"), ("min_loss_scale", "min_loss_scale"),
+            ("loss_scale_window", "loss_scale_window"), ("hysteresis", "hysteresis"))
+
+
+def _loss_scale(ctx: Context, precision: str) -> dict:
+    """Megatron's grad scaler: `--loss-scale` is a static scale under --fp16 or --bf16; else --fp16 scales
+    dynamically with the other four flags (heteroflow's defaults are Megatron's, so only given values are
+    written); bf16 without --loss-scale and fp32 scale nothing."""
+    static = ctx.value("loss_scale")
+    train: dict = {}
+    if static is not None and precision == "fp32":
+        ctx.mark("loss_scale", "ignored", "Megatron scales the loss only with --fp16 or --bf16")
+    elif static is not None:
+        if not 0 < static < float("inf"):
+            ctx.error(f"{ctx.key('loss_scale')} {static:g} must be a finite positive number")
+        train["loss_scale"] = static
+        ctx.mark("loss_scale", "mapped", f"train.loss_scale = {static:g} (a static scale)")
+    for dest, key in _DYNAMIC:
+        if not ctx.given(dest):
+            continue
+        if static is not None or precision != "fp16":
+            why = "--loss-scale sets a static scale" if static is not None else "it applies to --fp16 only"
+            ctx.mark(dest, "ignored", f"dynamic loss-scaling setting, unused: {why}")
+            continue
+        value = ctx.value(dest)
+        if value is None:
+            continue
+        integral = key in ("loss_scale_window", "hysteresis")
+        if not value > 0 or value == float("inf") or (integral and float(value) != int(value)):
+            ctx.error(f"{ctx.key(dest)} {value:g} must be a finite positive {'integer' if integral else 'number'}")
+            continue
+        train[key] = int(value) if integral else float(value)
+        ctx.mark(dest, "mapped", f"train.{key} = {train[key]:g}")
+    if precision == "fp16" and static is None:
+        ctx.default("loss_scale", "mapped", "train.loss_scale = dynamic (fp16 without --loss-scale)",
+                    value="dynamic")
+    return train
 
 
 def _steps(ctx: Context, gbs: int) -> int:

@@ -155,6 +155,12 @@ class StreamedAdamW:
                 self._fresh[group] = False
         return dict(self._grads)
 
+    def drop_grads(self) -> None:
+        """Forget the accumulated gradients without stepping (a step skipped for an inf or nan): the next
+        backward starts from zero."""
+        for group in self._fresh:
+            self._fresh[group] = True
+
     def grad_views(self, group: str) -> list[torch.Tensor]:
         """The accumulated fp32 gradients of `group`, shaped like its params."""
         flat = self._grads[group]

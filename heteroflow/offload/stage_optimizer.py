@@ -176,9 +176,11 @@ class OffloadedAdamW:
         self.offload.step(lr)
 
     def zero_grad(self) -> None:
-        """Drop any gradient left on the model (the offload path has already taken them)."""
+        """Drop any gradient left on the model and what the offload path took of them (all consumed after
+        a step; a skipped step must not carry them into the next one)."""
         for p in self.model.parameters():
             p.grad = None
+        self.offload.optimizer.drop_grads()
 
     # ---- checkpoints (heteroflow.checkpoint.stage_state) ---------------------------------------
 

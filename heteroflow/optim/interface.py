@@ -4,7 +4,7 @@ Per optimizer step, after every micro-batch's backward (see `heteroflow.models.d
 
     opt.reduce_grads()                     # partial grads summed over tp, then over dp
     share = opt.grad_sq_norm_share()       # all-reduced over the world: the global squared norm
-    opt.step(lr=lr_t, grad_scale=clip)
+    opt.step(lr=lr_t, grad_scale=clip / loss_scale)   # left out when a gradient is not finite (step skipped)
     opt.zero_grad()
 
 Checkpoints (`heteroflow.checkpoint.stage_state`) read and write `named_weights`, `load_weights`,
@@ -39,10 +39,12 @@ class StageOptimizer(Protocol):
         """This rank's part of the global squared gradient norm (each value counted once over the world)."""
 
     def step(self, *, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW step (gradients times `grad_scale`, the clip coefficient); the model gets the new values."""
+        """One AdamW step (gradients times `grad_scale`: the clip coefficient over the loss scale); the model
+        gets the new values."""
 
     def zero_grad(self) -> None:
-        """Drop the model's gradients: the next backward starts from zero."""
+        """Drop the model's gradients and any accumulated from them: the next backward starts from zero (also
+        after a skipped step, when `step` was not called)."""
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """`(name, current value)` of every parameter of the model, wherever it lives."""

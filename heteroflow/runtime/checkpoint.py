@@ -48,8 +48,10 @@ def checkpoint_root(job: JobConfig) -> Path | None:
 class TrainCheckpoints:
     """One rank's view of the job's checkpoints; a no-op when the job has no `train.checkpoint`."""
 
-    def __init__(self, args, rt, groups):
+    def __init__(self, args, rt, groups, *, scaler=None):
         self.job, self.plan, self.rt, self.group = args.job, args.plan, rt, groups.world
+        self.scaler = scaler
+        """The job's `LossScaler` (None without loss scaling): its state is saved and restored with the run's."""
         self.end_step = args.steps
         self.requested = bool(args.resume) or restart_count() > 0
         self.spec = self.job.train.checkpoint
@@ -94,12 +96,24 @@ class TrainCheckpoints:
             load_stage(self.rt.model, self.rt.optimizer, reader, optimizer_steps=meta["optimizer_steps"])
         if isinstance(meta.get("rng"), dict):
             restore_rng(meta["rng"])
+        self._restore_scaler(meta)
         self.last_saved = step
         dist.barrier(group=self.group)
         self._note(f"resumed from {step_dir} at step {step} ({time.perf_counter() - started:.2f} s)")
         if step >= self.end_step:
             self._note(f"the checkpoint is at step {step}, the run ends at step {self.end_step}: nothing to train")
         return step
+
+    def _restore_scaler(self, meta: dict) -> None:
+        """Continue the loss scale where the checkpoint left it (the same on every rank, whatever the plan)."""
+        if self.scaler is None:
+            return
+        state = meta.get("loss_scaler")
+        if isinstance(state, dict):
+            self.scaler.load_state_dict(state)
+        else:
+            self._note(f"the checkpoint has no loss scale (written without loss scaling): starting at "
+                       f"{self.scaler.scale:g}")
 
     def after_step(self, step: int) -> None:
         """After optimizer step `step`: save when an interval ends or the run does (every rank calls this)."""
@@ -119,6 +133,8 @@ class TrainCheckpoints:
                     "plan": self.plan.to_dict(), "cluster": self.job.cluster.to_dict(),
                     "data_position": {"step": step, "samples_consumed": step * gbs, "global_batch_size": gbs},
                     "optimizer_steps": self.rt.optimizer.steps, "rng": rng_state()}
+        if self.scaler is not None:
+            metadata["loss_scaler"] = self.scaler.state_dict()
         final = save_checkpoint(self.root, step, pieces, metadata, rank=self.rank, world_size=self.world_size,
                                 barrier=lambda: dist.barrier(group=self.group), scratch_id=self.scratch_id,
                                 keep=self.spec.keep)

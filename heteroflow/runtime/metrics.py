@@ -71,6 +71,10 @@ class StepRecord:
     lr: float
     grad_norm: float
     predicted_step_time_s: float | None = None
+    loss_scale: float | None = None
+    """The loss scale this step's loss was multiplied by (runs with loss scaling only)."""
+    skipped: bool | None = None
+    """Whether the step was skipped for an inf or nan gradient (runs with loss scaling only)."""
 
     def to_json(self) -> str:
         """One JSONL line (strict JSON: a non-finite figure is written as null)."""
@@ -125,8 +129,11 @@ class ProgressBar:
         predicted = (f" (predicted {record.predicted_step_time_s:.3f}s)"
                      if record.predicted_step_time_s is not None else "")
         loss = f"{record.loss:.4f}" if math.isfinite(record.loss) else str(record.loss)
+        scale = ""
+        if record.loss_scale is not None:
+            scale = f"  scale {record.loss_scale:g}" + (" (skipped: inf/nan gradient)" if record.skipped else "")
         line = (f"[{bar}] step {done}/{self.total}  loss {loss}  {record.tokens_per_s:,.0f} tok/s  "
-                f"step {record.step_time_s:.3f}s{predicted}")
+                f"step {record.step_time_s:.3f}s{predicted}{scale}")
         if self.tty:
             self.stream.write("\r" + line)
             if done == self.total:

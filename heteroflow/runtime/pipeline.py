@@ -89,10 +89,11 @@ def receives_ahead(boundary: StageBoundary) -> bool:
     return boundary.link.backend == "gloo"
 
 
-def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, global_tokens: int) -> torch.Tensor:
+def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, global_tokens: int,
+                      loss_scale: float = 1.0) -> torch.Tensor:
     """Forward and backward every micro-batch; gradients accumulate in the model (already scaled by
-    1 / `global_tokens`, so they sum to the global-batch mean gradient). Returns this rank's summed
-    token loss (fp32, zero except on the last stage)."""
+    `loss_scale` / `global_tokens`, so they sum to `loss_scale` times the global-batch mean gradient).
+    Returns this rank's summed token loss (fp32, unscaled, zero except on the last stage)."""
     num_stages = len(rt.plan.stages)
     actions = stage_actions(rt.plan.schedule, num_stages, rt.info.stage, len(micro_batches))
     inputs: dict[int, torch.Tensor] = {}
@@ -112,13 +113,14 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             if rt.is_first:
                 x = micro_batches[m].tokens.to(rt.device.torch_device)
             else:
-                x = activations.take().requires_grad_()
+                # The previous stage sent in its precision; this stage computes (and sends back) in its own.
+                x = activations.take().to(rt.activation_dtype).requires_grad_()
             inputs[m] = x
             with autocast, activation_context(rt):
                 if rt.is_last:
                     out = rt.model(x, labels=micro_batches[m].labels.to(rt.device.torch_device))
                     loss_sum += out.detach().float().cpu()
-                    out = out.float() / global_tokens
+                    out = out.float() * loss_scale / global_tokens
                 else:
                     out = rt.model(x)
             outputs[m] = out

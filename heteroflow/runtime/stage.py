@@ -51,14 +51,20 @@ class StageRuntime:
         return self.info.stage == len(self.plan.stages) - 1
 
     @property
+    def precision(self) -> str:
+        """The precision this stage computes in: its plan entry's, else `train.precision`."""
+        return self.stage.layout.compute_precision(self.job.train.precision)
+
+    @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype crossing stage boundaries: the training precision."""
-        return _DTYPES[self.job.train.precision]
+        """The dtype this stage sends across its boundaries (activations forward, gradients backward) and
+        casts what it receives to: its own precision's."""
+        return _DTYPES[self.precision]
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """Low-precision compute dtype under autocast, or None for fp32."""
-        return None if self.job.train.precision == "fp32" else _DTYPES[self.job.train.precision]
+        return None if self.precision == "fp32" else _DTYPES[self.precision]
 
     def offload_report(self) -> dict | None:
         """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
@@ -103,12 +109,16 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
                                       weight_decay=t.weight_decay)
     try:  # the boundaries and groups below are collectives that may fail: never leave swap files behind
         shape = (plan.micro_batch_size, job.model.seq_length, job.model.hidden_size)
-        dtype = _DTYPES[t.precision]
+        # Each side sends in its own precision, the receiver casts to its own: activations cross a boundary
+        # in the earlier stage's dtype, gradients in the later one's.
+        dtypes = [_DTYPES[s.layout.compute_precision(t.precision)] for s in plan.stages]
         prev = nxt = None
         if k > 0:
-            prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtype, device=device.torch_device)
+            prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtypes[k - 1], grad_dtype=dtypes[k],
+                                 device=device.torch_device)
         if k < num_stages - 1:
-            nxt = StageBoundary(groups, k, shape=shape, dtype=dtype, device=device.torch_device)
+            nxt = StageBoundary(groups, k, shape=shape, dtype=dtypes[k], grad_dtype=dtypes[k + 1],
+                                device=device.torch_device)
         tied_group = None
         if job.model.tie_embeddings and num_stages > 1:
             # Every rank creates the group (torch requires it); only the two end stages use it.

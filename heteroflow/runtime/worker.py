@@ -12,11 +12,16 @@ import torch.distributed as dist
 
 from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
+from heteroflow.optim.loss_scale import LossScaler
+from heteroflow.runtime.grad_faults import inject_grad_fault
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
 from heteroflow.runtime.user_errors import TrainingDiverged, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
+
+MAX_STUCK_OVERFLOWS = 20
+"""Overflowing steps in a row at the minimum (or a static) loss scale that count as divergence."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,7 +124,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
 
     job, plan, train, info, groups, device = args.job, args.plan, args.job.train, rt.info, rt.groups, rt.device
-    checkpoints = TrainCheckpoints(args, rt, groups)
+    scaler = LossScaler.for_job(train, [stage.layout.compute_precision(train.precision) for stage in plan.stages])
+    checkpoints = TrainCheckpoints(args, rt, groups, scaler=scaler)
     first_step = checkpoints.resume()
     data = open_train_data(job, work_dir=args.data_dir)
     order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
@@ -146,29 +152,42 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                 share = micro_batch_indices(indices, micro_batch_size=plan.micro_batch_size, micro_batch=m,
                                             dp=rt.stage.layout.dp, dp_rank=info.dp)
                 micro_batches.append(MicroBatch(*data.batch(share)))
-            loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens)
+            scale = scaler.scale if scaler is not None else 1.0
+            loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale)
             if rt.tied_group is not None:
                 from heteroflow.models.data_parallel import sync_tied_grads
                 sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp)
+            inject_grad_fault(rt.model, rank, step)
             rt.optimizer.reduce_grads()
-            # One world all-reduce carries both the squared-norm shares and the loss.
+            # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
+            # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
             totals = torch.stack([rt.optimizer.grad_sq_norm_share().float().cpu(),
                                   loss_sum if counts_loss else torch.zeros(())])
             dist.all_reduce(totals, group=groups.world)
-            grad_norm = math.sqrt(float(totals[0]))
+            grad_norm = math.sqrt(float(totals[0])) / scale  # of the unscaled gradients
             loss = float(totals[1]) / global_tokens
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # every rank knows both: all stop together
+            skipped = not math.isfinite(grad_norm)
+            if not math.isfinite(loss) or (skipped and scaler is None):
                 raise TrainingDiverged(_divergence_message(step, first_step, loss=loss, grad_norm=grad_norm))
-            clip = min(1.0, train.grad_clip / (grad_norm + 1e-6)) if train.grad_clip > 0 else 1.0
-            rt.optimizer.step(lr=learning_rate(step, train), grad_scale=clip)
+            # As in Megatron, the schedule follows the updates applied: a skipped step does not advance it.
+            lr = learning_rate(rt.optimizer.steps, train)
+            if not skipped:
+                clip = min(1.0, train.grad_clip / (grad_norm + 1e-6)) if train.grad_clip > 0 else 1.0
+                rt.optimizer.step(lr=lr, grad_scale=clip / scale)
             rt.optimizer.zero_grad()
+            if scaler is not None:
+                scaler.update(skipped)
+                if scaler.stuck_overflows >= MAX_STUCK_OVERFLOWS:
+                    raise TrainingDiverged(_overflow_message(step, scaler))
             device.synchronize()
             step_time = time.perf_counter() - started
             losses.append(loss)
             if rank == 0:
                 record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
-                                    step_time_s=step_time, lr=learning_rate(step, train), grad_norm=grad_norm,
-                                    predicted_step_time_s=args.predicted_step_time_s)
+                                    step_time_s=step_time, lr=lr, grad_norm=grad_norm,
+                                    predicted_step_time_s=args.predicted_step_time_s,
+                                    loss_scale=scale if scaler is not None else None,
+                                    skipped=skipped if scaler is not None else None)
                 writer.write(record)
                 if progress is not None:
                     progress.update(record)
@@ -192,3 +211,12 @@ def _divergence_message(step: int, first_step: int, *, loss: float, grad_norm: f
         cause = "lower train.lr, raise train.warmup_steps or set train.grad_clip"
     return (f"training diverged: {what}; that step was not applied and no checkpoint was written after it. "
             f"Cause: {cause}.")
+
+
+def _overflow_message(step: int, scaler: LossScaler) -> str:
+    """Why a loss-scaled run stopped: its gradients overflow even at the lowest scale it may use."""
+    where = "its static loss scale" if not scaler.dynamic else "train.min_loss_scale"
+    return (f"training diverged: the gradients held an inf or nan in {scaler.stuck_overflows} steps in a row up "
+            f"to step {step}, at {where} {scaler.scale:g}; those steps were skipped. Cause: lower train.lr or "
+            f"{'train.loss_scale' if not scaler.dynamic else 'train.min_loss_scale'}, or train this model in "
+            "bf16 or fp32.")

@@ -30,10 +30,10 @@ CASES = {
         PRESETS["llama3-8b"].to_dict(), TRAIN,
         {"micro_batch_size": 4, "stages": _stages([(["gpu-0"], 16, 4, 2), (["gpu-1"], 16, 4, 2)], sp=True, zero=1)}),
     "gpt learned positions, tied, gelu, layernorm, fp16": (
-        SMALL_GPT, dict(TRAIN, precision="fp16", micro_batch_size=8),
+        SMALL_GPT, dict(TRAIN, precision="fp16", micro_batch_size=8, initial_loss_scale=4096.0, hysteresis=3),
         {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 6, 1, 8), (["gpu-1"], 6, 1, 8)])}),
-    "qwen2.5-7b qkv bias, 4 kv heads, recompute full": (
-        PRESETS["qwen2.5-7b"].to_dict(), TRAIN,
+    "qwen2.5-7b qkv bias, 4 kv heads, recompute full, static loss scale": (
+        PRESETS["qwen2.5-7b"].to_dict(), dict(TRAIN, loss_scale=1024.0),
         {"micro_batch_size": 4, "stages": _stages([(["gpu-0"], 14, 4, 2), (["gpu-1"], 14, 4, 2)],
                                                   recompute="full")}),
     "qwen3-8b qk norm, explicit head_dim, selective recompute, zero 3": (
