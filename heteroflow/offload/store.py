@@ -87,6 +87,7 @@ class _Buffer:
     target: str | None = None  # chunk whose file a pending write goes to
     span: tuple[int, int] = (0, 0)  # its byte range in that file
     verify: str | None = None  # chunk whose read, once complete, is checked against its checksums
+    pending: Any = None  # checksums of a pending write, still being computed (SwapChecksums.settle)
 
 
 @dataclass(slots=True)
@@ -323,6 +324,8 @@ class TieredStore:
                     self._sums.forget(path)
             self._files.clear()
             self._buffers.clear()
+            if self._sums is not None:
+                self._sums.close()
             if self._own_engine and self._engine is not None:
                 self._engine.close()
 
@@ -372,7 +375,7 @@ class TieredStore:
             self._wait_writes(name, offset, offset + size)  # overlapping writes could land in either order
         else:  # the whole blocks: a block written in part is re-read to update its checksum
             self._wait_writes(name, *self._sums.span(path, offset, offset + size))
-            self._sums.record(path, offset, buf.data[:size].numpy(), label=name)
+            buf.pending = self._sums.record(path, offset, buf.data[:size].numpy(), label=name)
         buf.owner, buf.target, buf.span = None, name, (offset, offset + size)
         self._count_in_flight()
         buf.request = self.engine.write(buf.data[:size], path, offset)
@@ -399,6 +402,9 @@ class TieredStore:
             if name is not None:
                 stored = self._layouts[name].stored_bytes
                 self._sums.verify(self._files[name], 0, buf.data[:stored].numpy(), label=name)
+        if buf.pending is not None:
+            pending, buf.pending = buf.pending, None
+            self._sums.settle(pending)
         if buf.event is not None:
             event, buf.event = buf.event, None
             event.synchronize()

@@ -18,6 +18,7 @@ written and checked on every read: a swap file changed on disk (zeros, flipped b
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
 import shutil
 import signal
@@ -115,14 +116,18 @@ class SwapChecksums:
 
     `record` takes the bytes about to be written at an offset; a write that covers a block only in
     part first re-reads (and checks) the rest of that block from the file, so the caller must have
-    finished earlier writes to it (`span` gives the byte range). `verify` checks bytes just read.
-    Buffers are anything with the buffer protocol (a uint8 NumPy view of a staging tensor).
+    finished earlier writes to it (`span` gives the byte range). The CRCs of whole blocks of a large
+    write are computed in a helper thread while the write runs (zlib releases the GIL): `record`
+    returns a pending result that `settle` stores, which the caller must do once the write is done and
+    before the bytes are read or recorded again, keeping the buffer unchanged until then. `verify`
+    checks bytes just read. Buffers are anything with the buffer protocol (a NumPy view of a tensor).
     """
 
     def __init__(self, block_bytes: int = SWAP_BLOCK_BYTES) -> None:
         assert block_bytes > 0
         self.block_bytes = block_bytes
         self._files: dict[str, tuple[int, list[int | None]]] = {}  # path -> (size, CRC per block; None: unwritten)
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
 
     def track(self, path: str, nbytes: int) -> None:
         """Start keeping checksums of the swap file `path` of `nbytes` bytes (nothing written yet)."""
@@ -138,18 +143,19 @@ class SwapChecksums:
         block = self.block_bytes
         return start // block * block, min(size, -(-end // block) * block)
 
-    def record(self, path: str, offset: int, data, *, label: str = "") -> None:
-        """Take the checksums of `data`, about to be written at `offset` of `path`."""
+    def record(self, path: str, offset: int, data, *, label: str = "") -> tuple | None:
+        """Take the checksums of `data`, about to be written at `offset` of `path`; returns what to `settle`."""
         size, sums = self._files[path]
         end = offset + len(data)
         assert 0 <= offset < end <= size, (path, offset, end, size)
         block = self.block_bytes
         view = memoryview(data).cast("B")
+        whole = []
         for i in range(offset // block, -(-end // block)):
             lo, hi = i * block, min(size, (i + 1) * block)
             a, b = max(lo, offset), min(hi, end)
             if a == lo and b == hi:
-                sums[i] = zlib.crc32(view[a - offset:b - offset])
+                whole.append((i, view[a - offset:b - offset]))
                 continue
             old = self._read(path, lo, hi)  # a partial block: the rest of it comes from the file
             if sums[i] is not None:
@@ -157,6 +163,30 @@ class SwapChecksums:
             crc = zlib.crc32(old[:a - lo])
             crc = zlib.crc32(view[a - offset:b - offset], crc)
             sums[i] = zlib.crc32(old[b - lo:], crc)
+        if len(whole) < 4:  # small: not worth a thread hop
+            for i, part in whole:
+                sums[i] = zlib.crc32(part)
+            return None
+        if self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="heteroflow-crc")
+        return path, self._helper.submit(lambda: [(i, zlib.crc32(part)) for i, part in whole])
+
+    def settle(self, pending: tuple | None) -> None:
+        """Store the checksums `record` left computing (waits for them)."""
+        if pending is None:
+            return
+        path, future = pending
+        results = future.result()
+        entry = self._files.get(path)
+        if entry is not None:
+            for i, crc in results:
+                entry[1][i] = crc
+
+    def close(self) -> None:
+        """Stop the helper thread (after every pending result was settled or dropped)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
 
     def verify(self, path: str, offset: int, data, *, label: str = "") -> None:
         """Check `data`, just read from `offset` of `path`, against the checksums of what was written there."""
