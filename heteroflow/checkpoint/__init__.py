@@ -2,12 +2,13 @@
 
 `files` (directory layout, atomic publication, pruning, safe paths; no torch), `pieces` (safetensors +
 JSON index, reading any box), `stage_state` (a stage's model and optimizer state as pieces), `save`
-(the multi-rank write protocol), `meta` (metadata and RNG), `verify` (checksums checked before loading;
-damaged checkpoints moved aside). The runtime's use is in `heteroflow/runtime/checkpoint.py`.
+(the multi-rank write protocol), `meta` (metadata and RNG). The runtime's use is in
+`heteroflow/runtime/checkpoint.py`.
 """
 
 from heteroflow.checkpoint.files import MARKER, complete_checkpoints, latest_checkpoint, step_dir_name
-from heteroflow.checkpoint.verify import CheckpointDamaged, newest_intact, verify_checkpoint
+from heteroflow.checkpoint.verify import (CheckpointDamaged, NoIntactCheckpoint, checkpoint_to_resume, newest_intact,
+                                          verify_checkpoint)
 
-__all__ = ["MARKER", "CheckpointDamaged", "complete_checkpoints", "latest_checkpoint", "newest_intact",
-           "step_dir_name", "verify_checkpoint"]
+__all__ = ["MARKER", "CheckpointDamaged", "NoIntactCheckpoint", "checkpoint_to_resume", "complete_checkpoints",
+           "latest_checkpoint", "newest_intact", "step_dir_name", "verify_checkpoint"]

@@ -1,6 +1,7 @@
 """Checking a checkpoint against its checksums before anything loads it, and falling back past damage.
 
-    step_dir = newest_intact(root)     # before launch on --resume, and on rank 0 before loading
+    step_dir = checkpoint_to_resume(root)   # before launch on --resume: None when there is no checkpoint
+    step_dir = newest_intact(root)          # the same, but None also when every checkpoint is damaged
 
 What is checked, in order, each failure a `CheckpointDamaged` naming the file and what is wrong:
 the marker (present, readable, its own checksum, its step), the index and the metadata (sizes and
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from heteroflow.checkpoint.files import (CHECKSUM, FORMAT, INDEX, MARKER, METADATA, READABLE_VERSIONS,
-                                         checkpoint_dirs, file_digest, marker_checksum, move_aside)
+                                         checkpoint_dirs, complete_checkpoints, file_digest, marker_checksum,
+                                         move_aside)
 from heteroflow.errors import UserError
 
 REASONS = ("no-marker", "marker", "missing-file", "truncated", "size", "checksum", "stale-file", "metadata")
@@ -35,6 +37,16 @@ class CheckpointDamaged(UserError):
         assert reason in REASONS, reason
         self.step_dir, self.file, self.reason = step_dir, file, reason
         super().__init__(f"checkpoint {step_dir} is damaged: {file}: {detail}")
+
+
+class NoIntactCheckpoint(UserError):
+    """Resuming was asked for, checkpoints exist, but every one failed its verification (all moved aside)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        super().__init__(f"every checkpoint in {root} is damaged (each was reported and moved aside to "
+                         "step-N.damaged-*); nothing intact to resume from: restore one, or run without --resume "
+                         "to start at step 0")
 
 
 def _read_json(step_dir: Path, name: str, reason: str = "metadata") -> dict:
@@ -161,3 +173,14 @@ def newest_intact(root: str | os.PathLike, *, report: Callable[[str], None] | No
             report(f"note: {note}")
         return step_dir
     return None
+
+
+def checkpoint_to_resume(root: str | os.PathLike, *, report: Callable[[str], None] | None = None) -> Path | None:
+    """The checkpoint `--resume` continues from: `newest_intact(root)`; None when `root` holds no complete
+    checkpoint at all (start at step 0); `NoIntactCheckpoint` when there are some but none is intact."""
+    if not complete_checkpoints(root):
+        return None
+    found = newest_intact(root, report=report)
+    if found is None:
+        raise NoIntactCheckpoint(root)
+    return found

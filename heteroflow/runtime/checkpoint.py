@@ -1,5 +1,5 @@
 """Checkpoints in the training loop: save every `train.checkpoint.interval` steps and at the end, and
-resume from the newest intact checkpoint (verified against its checksums) under any plan.
+resume from the newest complete checkpoint under any plan.
 
     ckpt = TrainCheckpoints(args, rt, groups)     # every rank, after build_stage_runtime
     first_step = ckpt.resume()                   # 0, or the saved step when resuming
@@ -27,7 +27,7 @@ from heteroflow.checkpoint.meta import check_model, read_metadata, restore_rng, 
 from heteroflow.checkpoint.pieces import CheckpointReader
 from heteroflow.checkpoint.save import save_checkpoint
 from heteroflow.checkpoint.stage_state import load_stage, stage_pieces
-from heteroflow.checkpoint.verify import newest_intact
+from heteroflow.checkpoint.verify import NoIntactCheckpoint, newest_intact
 from heteroflow.config import JobConfig
 from heteroflow.errors import UserError
 
@@ -49,9 +49,8 @@ def checkpoint_root(job: JobConfig) -> Path | None:
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
     """Before launching: check that the run can start as asked; returns a line to show, or None.
 
-    `--resume` needs `train.checkpoint`; it continues from the newest intact checkpoint (whose model
-    must be the job's), or starts at step 0 when there is none yet. Damaged newer checkpoints are
-    reported and moved aside here, before any worker starts (`newest_intact`). Without `--resume`, a directory
+    `--resume` needs `train.checkpoint`; it continues from the newest complete checkpoint (whose model
+    must be the job's), or starts at step 0 when there is none yet. Without `--resume`, a directory
     that already holds checkpoints is refused, so a fresh run never mixes with an older one.
     """
     root = checkpoint_root(job)
@@ -68,20 +67,11 @@ def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
         return None
     if not found:
         return f"no complete checkpoint in {root}: starting at step 0"
-    step_dir = newest_intact(root, report=lambda line: print(f"heteroflow: {line}", flush=True))
-    if step_dir is None:
-        raise UserError(all_damaged(root))
+    step, step_dir = found[-1]
     meta = read_metadata(step_dir)
-    step = meta["step"]
     check_model(step_dir, meta, job.model.to_dict())
     stages = len(meta.get("plan", {}).get("stages", ()))
     return f"resuming from {step_dir} (step {step}, written by a {stages}-stage plan)"
-
-
-def all_damaged(root: Path) -> str:
-    """The message when every checkpoint of a `--resume` failed its verification (each moved aside)."""
-    return (f"every checkpoint in {root} is damaged (each was reported and moved aside to step-N.damaged-*); "
-            "nothing intact to resume from: restore one, or run without --resume to start at step 0")
 
 
 class TrainCheckpoints:
@@ -114,15 +104,15 @@ class TrainCheckpoints:
             return 0
         # Rank 0 decides (and deletes partial saves); every rank then opens the same directory.
         choice = torch.tensor([-1], dtype=torch.int64)
-        if self.rank == 0:
-            had_any = bool(complete_checkpoints(self.root))
-            intact = newest_intact(self.root, report=self._note)  # also after an elastic restart: verify again
+        if self.rank == 0:  # verified again here: an elastic restart has no check before launch
+            found = complete_checkpoints(self.root)
+            intact = newest_intact(self.root, report=self._note)
             clean_incomplete(self.root)
-            choice[0] = int(intact.name.split("-")[1]) if intact is not None else -2 if had_any else -1
+            choice[0] = int(intact.name.split("-")[1]) if intact is not None else -2 if found else -1
         dist.broadcast(choice, src=dist.get_global_rank(self.group, 0), group=self.group)
         step = int(choice)
         if step == -2:
-            raise UserError(all_damaged(self.root))
+            raise NoIntactCheckpoint(self.root)
         if step < 0:
             self._note(f"no complete checkpoint in {self.root}: starting at step 0")
             return 0

@@ -16,16 +16,13 @@ import threading
 import pytest
 import torch
 
-from heteroflow.checkpoint.files import MARKER, complete_checkpoints
+from heteroflow.checkpoint.files import MARKER, clean_incomplete, complete_checkpoints
 from heteroflow.checkpoint.pieces import CheckpointReader, Piece
 from heteroflow.checkpoint.save import save_checkpoint
-from heteroflow.checkpoint.verify import CheckpointDamaged, newest_intact, verify_checkpoint
-from heteroflow.config import parse_job
+from heteroflow.checkpoint.verify import (CheckpointDamaged, NoIntactCheckpoint, checkpoint_to_resume, newest_intact,
+                                          verify_checkpoint)
 from heteroflow.errors import UserError
-from heteroflow.runtime.checkpoint import prepare_resume
 
-JOB = {"cluster": {"nodes": [{"name": "a", "device": "cpu", "count": 1}]}, "model": {"preset": "micro-llama"},
-       "train": {"global_batch_size": 4}}
 RANK0, RANK1 = "rank-00000.safetensors", "rank-00001.safetensors"
 
 
@@ -33,7 +30,7 @@ def value(step: int, rank: int) -> torch.Tensor:
     return torch.arange(256, dtype=torch.float32).view(16, 16) + 1000 * rank + step
 
 
-def save(root, step: int, model: dict | None = None):
+def save(root, step: int):
     """Checkpoint `step` written by 2 fake ranks, each storing half of `w`'s rows."""
     barrier = threading.Barrier(2, timeout=60)
     out, errors = [None, None], []
@@ -41,7 +38,7 @@ def save(root, step: int, model: dict | None = None):
     def rank_main(rank):
         try:
             piece = Piece("param", "w", (32, 16), ((16 * rank, 16 * rank + 16), (0, 16)), value(step, rank))
-            meta = {"model": model or {}, "optimizer_steps": step, "plan": {"stages": [{}]}}
+            meta = {"model": {}, "optimizer_steps": step, "plan": {"stages": [{}]}}
             out[rank] = save_checkpoint(root, step, [piece], meta, rank=rank, world_size=2, barrier=barrier.wait,
                                         scratch_id="e5")
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -154,40 +151,45 @@ def test_damaged_newest_checkpoint_is_reported_moved_aside_and_skipped(two_check
     assert torch.equal(read_w(two_checkpoints / "step-000010")[:16], value(10, 0))
 
 
-def test_resume_falls_back_before_launch_and_moved_dirs_are_left_alone(tmp_path, capsys):
-    job = parse_job({**JOB, "train": {**JOB["train"], "checkpoint": {"dir": str(tmp_path), "interval": 2}}})
-    model = job.model.to_dict()
+def test_resume_falls_back_past_several_damaged_and_never_overwrites_a_moved_copy(tmp_path):
     for step in (10, 20, 30):
-        save(tmp_path, step, model)
+        save(tmp_path, step)
     flip_bit(tmp_path / "step-000030" / RANK0, -1)
     flip_bit(tmp_path / "step-000020" / "metadata.json", 50)
-    note = prepare_resume(job, resume=True)
-    assert note.startswith(f"resuming from {tmp_path / 'step-000010'} (step 10")
-    out = capsys.readouterr().out
-    assert "step-000030 is damaged: rank-00000.safetensors: checksum mismatch" in out
-    assert "step-000020 is damaged: metadata.json: checksum mismatch" in out
+    lines = []
+    assert checkpoint_to_resume(tmp_path, report=lines.append) == tmp_path / "step-000010"
+    assert len(lines) == 2
+    assert "step-000030 is damaged: rank-00000.safetensors: checksum mismatch" in lines[0]
+    assert "step-000020 is damaged: metadata.json: checksum mismatch" in lines[1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000010", "step-000020.damaged-checksum",
                                                           "step-000030.damaged-checksum"]
-    # A second damage of the same kind to the same step does not overwrite the first copy moved aside.
-    save(tmp_path, 30, model)
-    os.unlink(tmp_path / "step-000030" / RANK1)
+    save(tmp_path, 30)  # damaged the same way again: the first copy moved aside stays as it is
     flip_bit(tmp_path / "step-000030" / RANK0, -1)
-    assert prepare_resume(job, resume=True).startswith(f"resuming from {tmp_path / 'step-000010'}")
-    assert (tmp_path / "step-000030.damaged-checksum-2").is_dir()
+    assert checkpoint_to_resume(tmp_path, report=lines.append) == tmp_path / "step-000010"
+    assert (tmp_path / "step-000030.damaged-checksum-2").is_dir() and (tmp_path / "step-000030.damaged-checksum").is_dir()
 
 
-def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path):
-    job = parse_job({**JOB, "train": {**JOB["train"], "checkpoint": {"dir": str(tmp_path), "interval": 2}}})
-    save(tmp_path, 10, job.model.to_dict())
+def test_resume_with_every_checkpoint_damaged_is_a_user_error(tmp_path):
+    assert checkpoint_to_resume(tmp_path / "missing") is None and checkpoint_to_resume(tmp_path) is None
+    save(tmp_path, 10)
     os.unlink(tmp_path / "step-000010" / MARKER)
-    assert "no complete checkpoint" in prepare_resume(job, resume=True)  # unmarked: never a checkpoint
-    save(tmp_path, 20, job.model.to_dict())
+    assert checkpoint_to_resume(tmp_path) is None  # unmarked: never a checkpoint; start at step 0
+    save(tmp_path, 20)
     os.truncate(tmp_path / "step-000020" / RANK0, 100)
-    with pytest.raises(UserError, match="every checkpoint in .* is damaged"):
-        prepare_resume(job, resume=True)
+    with pytest.raises(NoIntactCheckpoint, match="every checkpoint in .* is damaged") as caught:
+        checkpoint_to_resume(tmp_path, report=lambda line: None)
+    assert isinstance(caught.value, UserError)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000010.damaged-no-marker",
                                                           "step-000020.damaged-truncated"]
-    assert prepare_resume(job, resume=False) is None  # a fresh run may now start in this directory
+    assert complete_checkpoints(tmp_path) == []  # a fresh run may now start in this directory
+
+
+def test_cleaning_moves_an_unmarked_step_dir_aside_instead_of_deleting_it(tmp_path):
+    save(tmp_path, 10)
+    os.unlink(tmp_path / "step-000010" / MARKER)
+    (tmp_path / "step-000011.tmp-ab").mkdir()
+    clean_incomplete(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000010.damaged-no-marker"]
 
 
 def test_checkpoints_without_checksums_still_load_with_a_note(two_checkpoints):
