@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
+from conftest import REPO
 from heteroflow.checkpoint.files import MARKER, clean_incomplete, complete_checkpoints
 from heteroflow.checkpoint.pieces import CheckpointReader, Piece
 from heteroflow.checkpoint.save import save_checkpoint
@@ -198,3 +201,31 @@ def test_checkpoints_without_checksums_still_load_with_a_note(two_checkpoints):
     lines = []
     assert newest_intact(two_checkpoints, report=lines.append) == newest
     assert len(lines) == 1 and "before checkpoints had checksums" in lines[0]
+
+
+@pytest.mark.slow
+def test_train_resume_from_the_cli_skips_a_damaged_newest_checkpoint(tmp_path, write_yaml):
+    pytest.importorskip("heteroflow.stagemap", reason="heteroflow train needs heteroflow.stagemap (cost model)")
+    env = {**os.environ, "HETEROFLOW_CACHE": str(tmp_path / "cache")}
+    job = write_yaml("""
+        cluster: {nodes: [{name: a, device: cpu, count: 2}]}
+        model: {preset: micro-llama}
+        train: {global_batch_size: 4, micro_batch_size: 2, precision: fp32, steps: 3, warmup_steps: 1,
+                checkpoint: {dir: ckpt, interval: 1, keep: 2}}
+        plan: {micro_batch_size: 2, stages: [{devices: ["a:0-0"], layers: 1}, {devices: ["a:1-1"], layers: 3}]}
+        """)
+    ckpt = tmp_path / "ckpt"
+
+    def heteroflow(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True,
+                              timeout=600, cwd=REPO, env=env)
+
+    first = heteroflow("train", str(job), "--emulate", "--steps", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    flip_bit(ckpt / "step-000002" / RANK1, -3)
+    resumed = heteroflow("train", str(job), "--emulate", "--resume")
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    assert f"checkpoint {ckpt / 'step-000002'} is damaged: {RANK1}: checksum mismatch" in output
+    assert "done, 2 steps (resumed at step 1)" in resumed.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000002.damaged-checksum", "step-000003"]
