@@ -46,3 +46,11 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     if not close:
         return ""
     return " (did you mean " + " or ".join(repr(c) for c in close[:3]) + "?)"
+
+
+class StateCorrupted(UserError):
+    """Training state held outside the process (a swap file block) changed behind heteroflow's back.
+
+    The run cannot go on from it, but it can restart from the last checkpoint: unlike other user errors,
+    an elastic restart (`--max-restarts`) is the right answer to this one.
+    """

@@ -7,5 +7,8 @@ JSON index, reading any box), `stage_state` (a stage's model and optimizer state
 """
 
 from heteroflow.checkpoint.files import MARKER, complete_checkpoints, latest_checkpoint, step_dir_name
+from heteroflow.checkpoint.verify import (CheckpointDamaged, NoIntactCheckpoint, checkpoint_to_resume, newest_intact,
+                                          verify_checkpoint)
 
-__all__ = ["MARKER", "complete_checkpoints", "latest_checkpoint", "step_dir_name"]
+__all__ = ["MARKER", "CheckpointDamaged", "NoIntactCheckpoint", "checkpoint_to_resume", "complete_checkpoints",
+           "latest_checkpoint", "newest_intact", "step_dir_name", "verify_checkpoint"]

@@ -9,6 +9,10 @@ Inside `train.checkpoint.dir`:
       heteroflow-checkpoint.json      the completion marker, written last
     step-000130.tmp-1a2b3c4d/         being written (or left by a killed save): ignored, cleaned
     step-000100.old-1a2b3c4d/         being deleted (pruned or replaced): ignored, cleaned
+    step-000110.damaged-checksum/     found damaged and moved aside (`heteroflow.checkpoint.verify`): kept
+
+Every file is checksummed (`CHECKSUM`): the index records each rank file's size and CRC, the marker
+records those of the index and the metadata, and its own (`marker_crc32`); `verify` checks them all.
 
 A checkpoint becomes visible only by the rename of its finished temporary directory, after every
 file in it and the directory itself were fsynced; so a kill at any moment leaves either the previous
@@ -21,12 +25,19 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 from heteroflow.errors import UserError
 
 FORMAT = "heteroflow-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: checksums in the index and the marker. Version 1 (written before checksums) is still read, unverified."""
+READABLE_VERSIONS = (1, 2)
+CHECKSUM = "crc32"
+"""zlib's CRC-32: the fastest checksum available without a new dependency (no crc32c or xxhash here),
+several times blake2b on one core (benchmarks/results/bench_swap_checksum.txt); it catches every burst
+of up to 32 flipped bits, and the damage guarded against is accidental (disks, copies, hand edits)."""
 MARKER = "heteroflow-checkpoint.json"
 """Completion marker; the offload swap code refuses directories holding a file of this name."""
 METADATA = "metadata.json"
@@ -34,6 +45,7 @@ INDEX = "index.json"
 
 _COMPLETE = re.compile(r"^step-(\d{6,})$")
 _SCRATCH = re.compile(r"^step-(\d{6,})\.(tmp|old)-[0-9a-z]+$")
+_READ_BLOCK_BYTES = 8 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -62,24 +74,29 @@ def read_marker(step_dir: Path) -> dict | None:
 
 def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     """`(step, directory)` of every complete checkpoint in `root`, oldest first."""
+    return [(step, entry) for step, entry in checkpoint_dirs(root)
+            if (marker := read_marker(entry)) is not None and marker.get("step") == step]
+
+
+def checkpoint_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """`(step, directory)` of every `step-N` directory in `root` (marked or not, no symlinks), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         match = _COMPLETE.match(entry.name)
-        if not match or entry.is_symlink() or not entry.is_dir():
-            continue  # a symlinked step dir could point anywhere: never follow it
-        marker = read_marker(entry)
-        if marker is not None and marker.get("step") == int(match[1]):
+        if match and not entry.is_symlink() and entry.is_dir():  # a symlinked step dir could point anywhere
             found.append((int(match[1]), entry))
     return sorted(found)
 
 
 def clean_incomplete(root: str | os.PathLike) -> list[Path]:
-    """Delete temporary, half-deleted and unmarked `step-*` directories in `root`; returns them.
+    """Delete temporary and half-deleted `step-*` directories in `root`; move unmarked `step-N` ones aside.
 
-    Only for when no save is in progress (before a run starts or resumes).
+    A published `step-N` always holds its marker (it appears by one rename), so one without is damaged
+    or copied by hand: renamed to `step-N.damaged-no-marker`, never deleted. Returns the directories
+    removed or moved. Only for when no save is in progress (before a run starts or resumes).
     """
     root = Path(root)
     removed = []
@@ -88,12 +105,52 @@ def clean_incomplete(root: str | os.PathLike) -> list[Path]:
     for entry in root.iterdir():
         if entry.is_symlink() or not entry.is_dir():
             continue
-        scratch = _SCRATCH.match(entry.name)
-        unmarked = _COMPLETE.match(entry.name) and read_marker(entry) is None
-        if scratch or unmarked:
+        if _SCRATCH.match(entry.name):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
+        elif _COMPLETE.match(entry.name) and read_marker(entry) is None:
+            move_aside(entry, "no-marker")
+            removed.append(entry)
     return removed
+
+
+def move_aside(step_dir: Path, reason: str) -> Path | None:
+    """Rename the damaged `step_dir` to `step-N.damaged-<reason>` (`-2`, `-3`... if taken); never deletes.
+
+    Returns the new path, or None when the directory is already gone (another node moved it first).
+    """
+    for n in range(1, 1000):
+        target = step_dir.with_name(f"{step_dir.name}.damaged-{reason}" + (f"-{n}" if n > 1 else ""))
+        if target.exists() or target.is_symlink():
+            continue  # rename() would silently replace an empty directory
+        try:
+            os.rename(step_dir, target)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise UserError(f"checkpoint {step_dir} is damaged but cannot be moved aside to {target.name}: {exc}; "
+                            "move or remove it by hand") from None
+        fsync_dir(step_dir.parent)
+        return target
+    raise UserError(f"cannot move the damaged checkpoint {step_dir} aside: 999 damaged copies already exist")
+
+
+def file_digest(path: str | os.PathLike) -> dict:
+    """`{"bytes": size, "crc32": "8 hex digits"}` of a file, read in blocks."""
+    crc, size = 0, 0
+    buf = bytearray(_READ_BLOCK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return {"bytes": size, CHECKSUM: f"{crc:08x}"}
+
+
+def marker_checksum(marker: dict) -> str:
+    """The CRC of the marker's own content (every key but `marker_crc32`, canonical JSON)."""
+    body = {k: v for k, v in marker.items() if k != "marker_crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode('utf-8')):08x}"
 
 
 def latest_checkpoint(root: str | os.PathLike, *, clean: bool = False) -> Path | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from heteroflow.checkpoint.files import FORMAT, FORMAT_VERSION, METADATA, read_checkpoint_json
+from heteroflow.checkpoint.files import FORMAT, METADATA, READABLE_VERSIONS, read_checkpoint_json
 from heteroflow.errors import UserError
 
 
@@ -46,9 +46,9 @@ def read_metadata(step_dir: str | Path) -> dict:
     meta = read_checkpoint_json(step_dir, METADATA)
     if meta.get("format") != FORMAT:
         raise UserError(f"{step_dir} is not a heteroflow checkpoint ({METADATA} has format {meta.get('format')!r})")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise UserError(f"checkpoint {step_dir} has format version {meta.get('version')!r}; this heteroflow reads "
-                        f"version {FORMAT_VERSION}")
+                        f"versions {', '.join(map(str, READABLE_VERSIONS))}")
     for key, kind in (("step", int), ("optimizer_steps", int), ("model", dict)):
         if not isinstance(meta.get(key), kind):
             raise UserError(f"checkpoint {step_dir}: {METADATA} lacks {key!r}")

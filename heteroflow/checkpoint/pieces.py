@@ -89,8 +89,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"checkpoints store float tensors, not {dtype}")
 
 
-def write_rank_file(directory: Path, file_name: str, pieces: list[Piece]) -> list[dict]:
-    """Write `pieces` as one safetensors file in `directory`; return their index entries."""
+def write_rank_file(directory: Path, file_name: str, pieces: list[Piece], *, checkpoint_id: str = "") -> list[dict]:
+    """Write `pieces` as one safetensors file in `directory`; return their index entries.
+
+    The file's header names `checkpoint_id`, so a file copied in from another checkpoint is recognised.
+    """
     tensors, entries = {}, []
     for piece in pieces:
         assert tuple(piece.tensor.shape) == box_shape(piece.box), (piece.name, piece.tensor.shape, piece.box)
@@ -100,25 +103,30 @@ def write_rank_file(directory: Path, file_name: str, pieces: list[Piece]) -> lis
         entries.append({"key": key, "file": file_name, "kind": piece.kind, "name": piece.name,
                         "shape": list(piece.shape), "dtype": _dtype_name(piece.tensor.dtype),
                         "offsets": [a for a, _ in piece.box], "sizes": [b - a for a, b in piece.box]})
-    save_file(tensors, str(directory / file_name), metadata={"format": "heteroflow-checkpoint"})
+    save_file(tensors, str(directory / file_name),
+              metadata={"format": "heteroflow-checkpoint", "checkpoint_id": checkpoint_id})
     return entries
 
 
-def write_index_part(directory: Path, rank: int, entries: list[dict]) -> Path:
-    """Rank `rank`'s index entries, merged by rank 0 into `index.json` (`merge_index_parts`)."""
+def write_index_part(directory: Path, rank: int, file_name: str, digest: dict, entries: list[dict]) -> Path:
+    """Rank `rank`'s index entries and its file's digest (`files.file_digest`), merged by rank 0 into
+    `index.json` (`merge_index_parts`)."""
     path = directory / f"index-{rank:05d}.json"
-    path.write_text(json.dumps(entries), encoding="utf-8")
+    path.write_text(json.dumps({"file": file_name, "digest": digest, "entries": entries}), encoding="utf-8")
     return path
 
 
 def merge_index_parts(directory: Path, world_size: int) -> dict:
-    """Join every rank's index part into the checkpoint's index (and delete the parts)."""
-    entries = []
+    """Join every rank's index part into the checkpoint's index (and delete the parts): `entries`, and
+    `files`, each rank file's size and checksum."""
+    entries, files = [], {}
     for rank in range(world_size):
-        part = directory / f"index-{rank:05d}.json"
-        entries.extend(json.loads(part.read_text(encoding="utf-8")))
-        part.unlink()
-    return {"entries": entries}
+        part_path = directory / f"index-{rank:05d}.json"
+        part = json.loads(part_path.read_text(encoding="utf-8"))
+        entries.extend(part["entries"])
+        files[part["file"]] = {**part["digest"], "rank": rank}
+        part_path.unlink()
+    return {"entries": entries, "files": files}
 
 
 def _entry_box(entry: object, step_dir: Path) -> tuple[str, str, tuple[int, ...], Box]:

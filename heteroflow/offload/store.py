@@ -11,6 +11,8 @@ Its *home* tier holds the authoritative copy; callers borrow a working copy:
 
 SSD traffic goes through a bounded pool of `max_in_flight` aligned, page-locked staging buffers: at
 most that many reads and writes are outstanding, and a new transfer first waits for the oldest write.
+Every SSD write records the CRC of each block it writes and every SSD read is checked against them
+(`SwapChecksums`): a swap file damaged on disk raises `StateCorrupted` naming the file and block.
 Device copies are charged to the `DeviceBudget` before they are allocated. On a CPU device (a `cpu`
 node, or an emulated rank) the device computes on host memory, so its "copy" of a chunk is the host
 copy itself (the cpu-tier home, or the staging buffer an SSD read landed in, kept until `release`):
@@ -31,7 +33,7 @@ from heteroflow.devices import Device
 from heteroflow.errors import UserError
 from heteroflow.offload.aio import IOEngine, IORequest, open_engine, round_up
 from heteroflow.offload.budget import DeviceBudget
-from heteroflow.offload.swap import SwapDir
+from heteroflow.offload.swap import SwapChecksums, SwapDir
 
 TIERS = ("device", "cpu", "ssd")
 
@@ -84,6 +86,8 @@ class _Buffer:
     seq: int = 0  # submission order of `request`, to wait for the oldest write first
     target: str | None = None  # chunk whose file a pending write goes to
     span: tuple[int, int] = (0, 0)  # its byte range in that file
+    verify: str | None = None  # chunk whose read, once complete, is checked against its checksums
+    pending: Any = None  # checksums of a pending write, still being computed (SwapChecksums.settle)
 
 
 @dataclass(slots=True)
@@ -97,12 +101,13 @@ class TieredStore:
     """Chunks on device / cpu / ssd with bounded asynchronous staging; see the module docstring.
 
     `device_copies`: whether a chunk borrowed on the device is a separate allocation (None: yes, except on
-    a CPU device).
+    a CPU device). `checksums`: check SSD reads against CRCs of what was written (off only to measure
+    what they cost).
     """
 
     def __init__(self, *, device: Device, budget: DeviceBudget | None = None, swap: SwapDir | None = None,
                  engine: IOEngine | None = None, max_in_flight: int = 2, buffer_bytes: int = 0,
-                 device_copies: bool | None = None) -> None:
+                 device_copies: bool | None = None, checksums: bool = True) -> None:
         assert max_in_flight >= 1
         self.device = device
         self.budget = budget if budget is not None else DeviceBudget(None)
@@ -125,6 +130,7 @@ class TieredStore:
         self._dev: dict[str, _DeviceCopy] = {}
         self._seq = itertools.count()
         self._copy_stream = device.new_stream() if self._pin else None
+        self._sums = SwapChecksums() if checksums else None
 
     @property
     def engine(self) -> IOEngine:
@@ -314,8 +320,12 @@ class TieredStore:
             for path in self._files.values():
                 if os.path.exists(path):
                     os.unlink(path)
+                if self._sums is not None:
+                    self._sums.forget(path)
             self._files.clear()
             self._buffers.clear()
+            if self._sums is not None:
+                self._sums.close()
             if self._own_engine and self._engine is not None:
                 self._engine.close()
 
@@ -338,6 +348,8 @@ class TieredStore:
             raise UserError(f"cannot allocate {nbytes} bytes for swap file {path}: {exc}") from exc
         finally:
             os.close(fd)
+        if self._sums is not None:
+            self._sums.track(path, nbytes)
         return path
 
     def _stage(self, name: str) -> _Buffer:
@@ -352,15 +364,21 @@ class TieredStore:
             self._count_in_flight()
             buf.request = self.engine.read(buf.data[:layout.stored_bytes], self._files[name])
             buf.seq = next(self._seq)
+            buf.verify = name if self._sums is not None else None
             self.stats.bytes_read += layout.stored_bytes
         return buf
 
     def _submit_write(self, buf: _Buffer, name: str, *, offset: int = 0, size: int | None = None) -> None:
         size = self._layouts[name].stored_bytes if size is None else size
-        self._wait_writes(name, offset, offset + size)  # overlapping writes could land in either order
+        path = self._files[name]
+        if self._sums is None:
+            self._wait_writes(name, offset, offset + size)  # overlapping writes could land in either order
+        else:  # the whole blocks: a block written in part is re-read to update its checksum
+            self._wait_writes(name, *self._sums.span(path, offset, offset + size))
+            buf.pending = self._sums.record(path, offset, buf.data[:size].numpy(), label=name)
         buf.owner, buf.target, buf.span = None, name, (offset, offset + size)
         self._count_in_flight()
-        buf.request = self.engine.write(buf.data[:size], self._files[name], offset)
+        buf.request = self.engine.write(buf.data[:size], path, offset)
         buf.seq = next(self._seq)
         self.stats.bytes_written += size
 
@@ -376,10 +394,17 @@ class TieredStore:
         self.stats.max_in_flight = max(self.stats.max_in_flight, busy)
 
     def _finish(self, buf: _Buffer) -> None:
-        """Wait for the buffer's transfer and copy (re-raises an I/O error)."""
+        """Wait for the buffer's transfer and copy (re-raises an I/O error); check what a read brought."""
         if buf.request is not None:
             request, buf.request, buf.target = buf.request, None, None
+            name, buf.verify = buf.verify, None
             request.wait()
+            if name is not None:
+                stored = self._layouts[name].stored_bytes
+                self._sums.verify(self._files[name], 0, buf.data[:stored].numpy(), label=name)
+        if buf.pending is not None:
+            pending, buf.pending = buf.pending, None
+            self._sums.settle(pending)
         if buf.event is not None:
             event, buf.event = buf.event, None
             event.synchronize()

@@ -9,20 +9,26 @@ Swap files are scratch, never checkpoints, and the code keeps the two apart:
 - free disk space is checked before anything is written, with an error naming the path and numbers;
 - the directory is removed on normal exit, on an exception (context manager), at interpreter exit
   (atexit) and on SIGTERM; directories left by killed processes (SIGKILL) are swept on the next start.
+
+`SwapChecksums` keeps a CRC-32 of every block of every swap file, taken from the bytes as they are
+written and checked on every read: a swap file changed on disk (zeros, flipped bits) is a
+`StateCorrupted` error naming the file and block, never training on garbage.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
 import shutil
 import signal
 import threading
 import uuid
+import zlib
 from pathlib import Path
 from typing import Iterable
 
-from heteroflow.errors import UserError
+from heteroflow.errors import StateCorrupted, UserError
 
 SCRATCH_MARKER = "HETEROFLOW-SWAP-SCRATCH"
 """File inside every swap directory; its presence is what allows deleting the directory."""
@@ -98,6 +104,119 @@ class SwapDir:
 
     def __repr__(self) -> str:
         return f"SwapDir({self.path})"
+
+
+SWAP_BLOCK_BYTES = 1 << 20
+"""Checksum granularity: big enough that one CRC call per block costs nothing, small enough that a
+partial write (not on this grid) re-reads little."""
+
+
+class SwapChecksums:
+    """CRC-32 (zlib's; see `heteroflow.checkpoint.files.CHECKSUM`) per `block_bytes` block of each swap file.
+
+    `record` takes the bytes about to be written at an offset; a write that covers a block only in
+    part first re-reads (and checks) the rest of that block from the file, so the caller must have
+    finished earlier writes to it (`span` gives the byte range). The CRCs of whole blocks of a large
+    write are computed in a helper thread while the write runs (zlib releases the GIL): `record`
+    returns a pending result that `settle` stores, which the caller must do once the write is done and
+    before the bytes are read or recorded again, keeping the buffer unchanged until then. `verify`
+    checks bytes just read. Buffers are anything with the buffer protocol (a NumPy view of a tensor).
+    """
+
+    def __init__(self, block_bytes: int = SWAP_BLOCK_BYTES) -> None:
+        assert block_bytes > 0
+        self.block_bytes = block_bytes
+        self._files: dict[str, tuple[int, list[int | None]]] = {}  # path -> (size, CRC per block; None: unwritten)
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def track(self, path: str, nbytes: int) -> None:
+        """Start keeping checksums of the swap file `path` of `nbytes` bytes (nothing written yet)."""
+        self._files[path] = (nbytes, [None] * -(-nbytes // self.block_bytes))
+
+    def forget(self, path: str) -> None:
+        """Stop tracking `path` (deleted)."""
+        self._files.pop(path, None)
+
+    def span(self, path: str, start: int, end: int) -> tuple[int, int]:
+        """The whole blocks holding bytes `[start, end)` of `path`, as a byte range."""
+        size = self._files[path][0]
+        block = self.block_bytes
+        return start // block * block, min(size, -(-end // block) * block)
+
+    def record(self, path: str, offset: int, data, *, label: str = "") -> tuple | None:
+        """Take the checksums of `data`, about to be written at `offset` of `path`; returns what to `settle`."""
+        size, sums = self._files[path]
+        end = offset + len(data)
+        assert 0 <= offset < end <= size, (path, offset, end, size)
+        block = self.block_bytes
+        view = memoryview(data).cast("B")
+        whole = []
+        for i in range(offset // block, -(-end // block)):
+            lo, hi = i * block, min(size, (i + 1) * block)
+            a, b = max(lo, offset), min(hi, end)
+            if a == lo and b == hi:
+                whole.append((i, view[a - offset:b - offset]))
+                continue
+            old = self._read(path, lo, hi)  # a partial block: the rest of it comes from the file
+            if sums[i] is not None:
+                self._check(path, i, lo, hi, old, label)
+            crc = zlib.crc32(old[:a - lo])
+            crc = zlib.crc32(view[a - offset:b - offset], crc)
+            sums[i] = zlib.crc32(old[b - lo:], crc)
+        if len(whole) < 4:  # small: not worth a thread hop
+            for i, part in whole:
+                sums[i] = zlib.crc32(part)
+            return None
+        if self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="heteroflow-crc")
+        return path, self._helper.submit(lambda: [(i, zlib.crc32(part)) for i, part in whole])
+
+    def settle(self, pending: tuple | None) -> None:
+        """Store the checksums `record` left computing (waits for them)."""
+        if pending is None:
+            return
+        path, future = pending
+        results = future.result()
+        entry = self._files.get(path)
+        if entry is not None:
+            for i, crc in results:
+                entry[1][i] = crc
+
+    def close(self) -> None:
+        """Stop the helper thread (after every pending result was settled or dropped)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
+
+    def verify(self, path: str, offset: int, data, *, label: str = "") -> None:
+        """Check `data`, just read from `offset` of `path`, against the checksums of what was written there."""
+        size, sums = self._files[path]
+        end = offset + len(data)
+        block = self.block_bytes
+        assert offset % block == 0 and (end % block == 0 or end == size), (offset, end, size)
+        view = memoryview(data).cast("B")
+        for i in range(offset // block, -(-end // block)):
+            lo, hi = i * block, min(size, (i + 1) * block)
+            if sums[i] is not None:
+                self._check(path, i, lo, hi, view[lo - offset:hi - offset], label)
+
+    def _check(self, path: str, i: int, lo: int, hi: int, data, label: str) -> None:
+        expected, found = self._files[path][1][i], zlib.crc32(data)
+        if found != expected:
+            what = f" (chunk {label!r})" if label else ""
+            raise StateCorrupted(
+                f"swap file {path}{what}: block {i} (bytes {lo}-{hi}) fails its checksum (crc32 {expected:08x} "
+                f"written, {found:08x} read back): the file was changed or damaged on disk after heteroflow wrote "
+                "it, so the training state in it is lost. Restart from the last checkpoint (`heteroflow train "
+                "--resume`, or by itself under --max-restarts), and check the disk that holds the swap directory")
+
+    @staticmethod
+    def _read(path: str, lo: int, hi: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, hi - lo, lo)
+        finally:
+            os.close(fd)
 
 
 def check_not_checkpoint(root: Path, checkpoint_dirs: Iterable[str | os.PathLike]) -> None:

@@ -28,6 +28,7 @@ from heteroflow.checkpoint.meta import check_model, read_metadata, restore_rng, 
 from heteroflow.checkpoint.pieces import CheckpointReader
 from heteroflow.checkpoint.save import save_checkpoint
 from heteroflow.checkpoint.stage_state import load_stage, stage_pieces
+from heteroflow.checkpoint.verify import NoIntactCheckpoint, newest_intact
 from heteroflow.config import JobConfig
 
 
@@ -77,12 +78,15 @@ class TrainCheckpoints:
             return 0
         # Rank 0 decides (and deletes partial saves); every rank then opens the same directory.
         choice = torch.tensor([-1], dtype=torch.int64)
-        if self.rank == 0:
-            clean_incomplete(self.root)
+        if self.rank == 0:  # verified again here: an elastic restart has no check before launch
             found = complete_checkpoints(self.root)
-            choice[0] = found[-1][0] if found else -1
+            intact = newest_intact(self.root, report=self._note)
+            clean_incomplete(self.root)
+            choice[0] = int(intact.name.split("-")[1]) if intact is not None else -2 if found else -1
         dist.broadcast(choice, src=dist.get_global_rank(self.group, 0), group=self.group)
         step = int(choice)
+        if step == -2:
+            raise NoIntactCheckpoint(self.root)
         if step < 0:
             self._note(f"no complete checkpoint in {self.root}: starting at step 0")
             return 0
