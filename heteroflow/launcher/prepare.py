@@ -13,6 +13,7 @@ from pathlib import Path
 
 from heteroflow.checkpoint.files import complete_checkpoints
 from heteroflow.checkpoint.meta import check_model, read_metadata
+from heteroflow.checkpoint.verify import checkpoint_to_resume
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
 from heteroflow.offload.stage_optimizer import check_offload_plan
@@ -129,8 +130,9 @@ def check_runnable(plan: PlanSpec) -> None:
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
     """Before launching: check that the run can start as asked; returns a line to show, or None.
 
-    `--resume` needs `train.checkpoint`; it continues from the newest complete checkpoint (whose model
-    must be the job's), or starts at step 0 when there is none yet. Without `--resume`, a directory
+    `--resume` needs `train.checkpoint`; it continues from the newest intact checkpoint (every file's checksum
+    verified; damaged ones are reported and moved aside; its model must be the job's), or starts at step 0
+    when there is none yet. Without `--resume`, a directory
     that already holds checkpoints is refused, so a fresh run never mixes with an older one.
     """
     root = checkpoint_root(job)
@@ -145,9 +147,11 @@ def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
             raise UserError(f"train.checkpoint.dir {root} already holds checkpoints (newest: {found[-1][1].name}); "
                             "pass --resume to continue from it, or use an empty directory for a fresh run")
         return None
-    if not found:
+    # verified before any worker starts: a damaged newest checkpoint is reported and moved aside
+    step_dir = checkpoint_to_resume(root, report=lambda line: print(f"heteroflow: {line}", flush=True))
+    if step_dir is None:
         return f"no complete checkpoint in {root}: starting at step 0"
-    step, step_dir = found[-1]
+    step = int(step_dir.name.split("-")[1])
     meta = read_metadata(step_dir)
     check_model(step_dir, meta, job.model.to_dict())
     stages = len(meta.get("plan", {}).get("stages", ()))
