@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from heteroflow.config import parse_job
-from tests.conftest import problems
+from conftest import problems
 
 BASE = {"cluster": {"nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 1}]},
         "model": {"preset": "micro-llama"}}
