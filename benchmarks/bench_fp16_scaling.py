@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from heteroflow.config import parse_job  # noqa: E402
+from heteroflow.runtime.metrics import read_step_records  # noqa: E402
 from heteroflow.runtime.worker import WorkerArgs, run_worker  # noqa: E402
 from heteroflow.testing import run_ranks  # noqa: E402
 
@@ -76,7 +77,7 @@ def run(setting: str, *, steps: int, data_dir: str, work: Path) -> tuple[list[fl
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=data_dir, show_progress=False,
                       timeout_s=300, metrics_path=str(metrics))
     cpu_s = sum(run_ranks(_rank, 2, args, timeout_s=600)) / steps
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = read_step_records(metrics)
     return [r["step_time_s"] for r in records[1:]], cpu_s, records
 
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from heteroflow.config import parse_job
+from heteroflow.runtime.metrics import read_step_records
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs, run_worker
 from heteroflow.testing import run_ranks
@@ -42,7 +43,7 @@ def train_run(data_dir, *, train: dict, plan: dict = TWO_STAGES, cluster: dict =
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=data_dir, show_progress=False,
                       timeout_s=120, metrics_path=str(metrics) if metrics else None, resume=resume)
     results = run_ranks(_rank, job.plan.num_devices, args, timeout_s=300, env=env)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics else []
+    records = read_step_records(metrics) if metrics else []
     return results[0], records
 
 
