@@ -22,7 +22,6 @@ the ratio of the overall medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
