@@ -75,8 +75,11 @@ def test_damaged_swap_block_is_caught_on_the_next_read(swap, aio_kind, kind, rea
 def test_partial_writes_keep_checksums_right_and_check_the_rest_of_the_block(swap):
     with TieredStore(device=Device.cpu(), swap=swap) as store:
         store.add("p", [ramp()], "ssd")
-        # Slices on the 4 KiB I/O grid but not on the checksum grid: each re-reads its blocks' other bytes.
-        slices = [(1024, 2048), (SWAP_BLOCK_BYTES // 4 + 3072, SWAP_BLOCK_BYTES // 4 + 4096), (NUMEL - 1000, NUMEL)]
+        # Slices on the engine's I/O grid (4 KiB, or a multiple with DeepSpeed's threads) but not on the checksum
+        # grid: each re-reads its blocks' other bytes.
+        a, block = store.engine.alignment // 4, SWAP_BLOCK_BYTES // 4  # fp32 elements
+        assert 4 * a < block, "the I/O grid must be finer than the checksum grid for this test"
+        slices = [(a, 2 * a), (block + 3 * a, block + 4 * a), (NUMEL - 1000, NUMEL)]
         for start, stop in slices:
             store.write_slice("p", start, -ramp()[start:stop])
         want = ramp()
@@ -87,7 +90,7 @@ def test_partial_writes_keep_checksums_right_and_check_the_rest_of_the_block(swa
         store.wait_all()
         flip_bit(store._files["p"], 100)  # in block 0, outside the next slice
         with pytest.raises(StateCorrupted, match="block 0 "):
-            store.write_slice("p", 1024, ramp()[1024:2048])  # the damage is found before it gets a new checksum
+            store.write_slice("p", a, ramp()[a:2 * a])  # the damage is found before it gets a new checksum
 
 
 def test_optimizer_step_on_zeroed_swap_state_fails_instead_of_training_on_garbage(swap):
