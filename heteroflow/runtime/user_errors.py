@@ -40,6 +40,14 @@ def record_user_error(error: UserError, rank: int) -> None:
     os.replace(tmp, path / f"rank-{rank}.txt")  # whole or absent: the launcher never reads half a message
 
 
+def clear_user_error(rank: int) -> None:
+    """Drop what this rank left in an earlier attempt of the run (an elastic restart), so that the launcher
+    reports only errors of the attempt that failed last."""
+    root = os.environ.get(ENV_ERROR_DIR)
+    if root:
+        (Path(root) / f"rank-{rank}.txt").unlink(missing_ok=True)
+
+
 def read_user_errors(root: str | os.PathLike) -> list[tuple[int, str]]:
     """`(rank, message)` of every user error the workers left in `root`, by rank."""
     found = []

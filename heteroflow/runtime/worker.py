@@ -17,7 +17,7 @@ from heteroflow.runtime.grad_faults import inject_grad_fault
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
-from heteroflow.runtime.user_errors import TrainingDiverged, record_user_error
+from heteroflow.runtime.user_errors import TrainingDiverged, clear_user_error, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
 MAX_STUCK_OVERFLOWS = 20
@@ -61,11 +61,13 @@ class WorkerResult:
 def run_worker(args: WorkerArgs) -> WorkerResult:
     """Train on this rank; every rank of the plan runs it at once. A `UserError` is also left for the launcher
     (`runtime.user_errors`), which shows it as one message instead of the workers' tracebacks."""
+    rank = assigned_rank()
+    rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+    clear_user_error(rank)
     try:
         return _run_worker(args)
     except UserError as error:
-        rank = assigned_rank()
-        record_user_error(error, rank if rank is not None else int(os.environ.get("RANK", "0")))
+        record_user_error(error, rank)
         raise
 
 

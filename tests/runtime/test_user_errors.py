@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO
 from heteroflow.errors import UserError
 from heteroflow.runtime.metrics import StepRecord, read_step_records
-from heteroflow.runtime.user_errors import (ENV_ERROR_DIR, error_dir, read_user_errors, record_user_error,
-                                            user_error_message)
+from heteroflow.runtime.user_errors import (ENV_ERROR_DIR, clear_user_error, error_dir, read_user_errors,
+                                            record_user_error, user_error_message)
 
 
 def test_recorded_errors_are_read_back_by_rank_and_summarised(tmp_path, monkeypatch):
@@ -26,6 +26,15 @@ def test_recorded_errors_are_read_back_by_rank_and_summarised(tmp_path, monkeypa
     message = user_error_message(errors)
     assert message.splitlines() == ["swap directory /x is read-only (rank 1 and 2 more ranks)", "also: disk full"]
     assert user_error_message(errors[:1]) == "swap directory /x is read-only (rank 1)"
+
+
+def test_a_restarted_rank_clears_what_it_left_in_an_earlier_attempt(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_ERROR_DIR, str(error_dir(tmp_path)))
+    record_user_error(UserError("swap block 3 fails its checksum"), 1)
+    record_user_error(UserError("disk full"), 2)
+    clear_user_error(1)  # rank 1 starts again after an elastic restart
+    clear_user_error(5)  # nothing to clear
+    assert read_user_errors(error_dir(tmp_path)) == [(2, "disk full")]
 
 
 def test_outside_a_launched_run_nothing_is_written(tmp_path, monkeypatch):
