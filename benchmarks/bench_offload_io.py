@@ -26,11 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
 from heteroflow.devices import Device  # noqa: E402
 from heteroflow.offload.aio import deepspeed_aio_module, open_engine  # noqa: E402
-from heteroflow.offload.measure import engine_throughput  # noqa: E402
+from heteroflow.offload.measure import engine_throughput, store_throughput  # noqa: E402
 from heteroflow.offload.store import TieredStore  # noqa: E402
 from heteroflow.offload.swap import SwapDir  # noqa: E402
 
@@ -63,26 +61,8 @@ def engine_rate(directory: str, kind: str, nbytes: int, chunk: int, in_flight: i
 def store_rate(swap: SwapDir, kind: str, nbytes: int, chunk: int, in_flight: int) -> tuple[float, float]:
     """(write GB/s, read GB/s) through TieredStore: add() every chunk, then the fetch-ahead read loop."""
     os.environ["HETEROFLOW_AIO"] = kind
-    numel = chunk // 4
-    source = torch.randn(numel)
     with TieredStore(device=Device.cpu(), swap=swap, max_in_flight=in_flight) as store:
-        names = [f"c{i}" for i in range(nbytes // chunk)]
-        start = time.perf_counter()
-        for name in names:
-            store.add(name, [source], "ssd")
-        store.wait_all()
-        write = nbytes / (time.perf_counter() - start) / 1e9
-        start = time.perf_counter()
-        store.prefetch(names[0], to="host")
-        for k, name in enumerate(names):
-            if k + 1 < len(names):
-                store.prefetch(names[k + 1], to="host")
-            store.host(name)
-            store.release(name)
-        read = nbytes / (time.perf_counter() - start) / 1e9
-        last = store.host(names[-1])
-        assert torch.equal(last, source), "read back wrong data"
-        store.release(names[-1])
+        write, read, _ = store_throughput(store, nbytes, chunk)
     return write, read
 
 

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from heteroflow.devices import Device  # noqa: E402
 from heteroflow.offload import OffloadPolicy, StageOffload  # noqa: E402
+from heteroflow.offload.measure import store_throughput  # noqa: E402
 from heteroflow.offload.store import TieredStore  # noqa: E402
 from heteroflow.offload.swap import SwapChecksums, SwapDir  # noqa: E402
 
@@ -89,29 +90,8 @@ def _timed(fn) -> float:
 
 def store_io(swap: SwapDir, nbytes: int, chunk: int) -> tuple[float, float, float]:
     """(write GB/s, read GB/s, read-modify-write GB/s) through one store."""
-    source = torch.randn(chunk // 4)
     with TieredStore(device=Device.cpu(), swap=swap, max_in_flight=3) as store:
-        names = [f"c{i}" for i in range(nbytes // chunk)]
-        start = time.perf_counter()
-        for name in names:
-            store.add(name, [source], "ssd")
-        store.wait_all()
-        write = nbytes / (time.perf_counter() - start) / 1e9
-        rates = []
-        for modify in (False, True):
-            start = time.perf_counter()
-            store.prefetch(names[0], to="host")
-            for k, name in enumerate(names):
-                if k + 1 < len(names):
-                    store.prefetch(names[k + 1], to="host")
-                flat = store.host(name)
-                if modify:
-                    flat[:1] += 0.0
-                    store.write_back(name)
-                store.release(name)
-            store.wait_all()
-            rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-    return write, rates[0], rates[1]
+        return store_throughput(store, nbytes, chunk, read_modify_write=True)
 
 
 def step_time(swap_root: str, blocks: int, hidden: int, tokens: int, steps: int) -> tuple[float, float, float]:

@@ -54,6 +54,37 @@ def engine_throughput(engine: IOEngine, path: str, buffers: list[torch.Tensor], 
     os.unlink(path)
     return rates[0], rates[1]
 
+
+def store_throughput(store: TieredStore, nbytes: int, chunk_bytes: int, *,
+                     read_modify_write: bool = False) -> tuple[float, float, float | None]:
+    """(write GB/s, read GB/s, read-modify-write GB/s or None) through `store`: add `nbytes` to its ssd tier in
+    fp32 chunks of `chunk_bytes`, then read them back with the fetch-ahead loop the optimizer runs (and, when
+    asked, the same loop writing every chunk back); checks the data read back."""
+    source = torch.randn(chunk_bytes // 4)
+    names = [f"c{i}" for i in range(nbytes // chunk_bytes)]
+    start = time.perf_counter()
+    for name in names:
+        store.add(name, [source], "ssd")
+    store.wait_all()
+    write = nbytes / (time.perf_counter() - start) / 1e9
+    rates = []
+    for modify in (False, True) if read_modify_write else (False,):
+        start = time.perf_counter()
+        store.prefetch(names[0], to="host")
+        for k, name in enumerate(names):
+            if k + 1 < len(names):
+                store.prefetch(names[k + 1], to="host")
+            flat = store.host(name)
+            if modify:
+                flat[:1] += 0.0
+                store.write_back(name)
+            store.release(name)
+        store.wait_all()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    assert torch.equal(store.host(names[-1]), source), "read back wrong data"
+    store.release(names[-1])
+    return write, rates[0], rates[1] if read_modify_write else None
+
 def measure_offload(directory: str, *, nbytes: int = 512 << 20, chunk_bytes: int = 64 << 20,
                     max_in_flight: int = 3, adam_params: int = 1 << 24) -> OffloadBandwidths:
     """Measure disk write/read (in a scratch directory under `directory`), host copies and CPU Adam."""
