@@ -120,7 +120,7 @@ def _run_worker(args: WorkerArgs) -> WorkerResult:
 def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step and the losses."""
     from heteroflow.data.builtin import open_train_data
-    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
+    from heteroflow.data.tokens import micro_batch_indices
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
@@ -129,9 +129,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     scaler = LossScaler.for_job(train, [stage.layout.compute_precision(train.precision) for stage in plan.stages])
     checkpoints = TrainCheckpoints(args, rt, groups, scaler=scaler)
     first_step = checkpoints.resume()
-    data = open_train_data(job, work_dir=args.data_dir)
-    order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
-                        shuffle=train.data.shuffle if train.data else True)
+    data = open_train_data(job, work_dir=args.data_dir, steps=args.steps)
+    order = data.order
     num_micro_batches = plan.num_micro_batches(train)
     global_tokens = train.global_batch_size * job.model.seq_length
     counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
