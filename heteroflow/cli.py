@@ -150,6 +150,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
                            disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
 
 
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    """Tokenize text / JSONL into a Megatron indexed dataset."""
+    from heteroflow.data.prepare import prepare_data
+    report = prepare_data(args.inputs, tokenizer_dir=args.tokenizer, prefix=args.output, json_key=args.json_key,
+                          append_eod=args.append_eod, dtype=args.dtype, progress=sys.stderr.isatty())
+    empty = f", {report.num_empty} empty documents left out" if report.num_empty else ""
+    print(f"{report.prefix}.bin, {report.prefix}.idx: {report.num_documents} documents, {report.num_tokens} tokens "
+          f"({report.dtype}, vocabulary {report.vocab_size}){empty}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="heteroflow", description="Train Transformers on mixed-vendor clusters.")
@@ -215,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, metavar="N",
                    help="tokenizer vocabulary size (before Megatron's padding), when it cannot be told")
     p.add_argument("--json", action="store_true", help="print one JSON document (job and report)")
+
+    p = add("prepare-data", cmd_prepare_data,
+            "tokenize text or JSONL files into Megatron's indexed format (PREFIX.bin + PREFIX.idx)")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="a .jsonl/.json file (one JSON object per line) or a text file (blank-line separated documents)")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="a local Hugging Face tokenizer directory")
+    p.add_argument("-o", "--output", required=True, metavar="PREFIX", help="write PREFIX.bin and PREFIX.idx")
+    p.add_argument("--json-key", default="text", metavar="KEY", help="the JSON field holding the text (default text)")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's eos token")
+    p.add_argument("--dtype", choices=("uint16", "int32"),
+                   help="token dtype (default: uint16 below 65500 ids, else int32, as Megatron chooses)")
 
     p = add("plan", cmd_plan, "search the best plan for a job (or estimate one with --evaluate)")
     p.add_argument("job", metavar="JOB.yaml")

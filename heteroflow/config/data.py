@@ -11,6 +11,8 @@ from heteroflow.config.reader import Problems, Section, join_path, type_name
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 DEFAULT_SPLIT = "969,30,1"
 """Megatron-LM's `--split` default."""
+MID_LEVEL_SURPLUS = 0.005
+"""Megatron's `mid_level_dataset_surplus` default: each blended dataset builds this share more samples."""
 _SPLIT = re.compile(r"^\s*[0-9.]+(\s*[,/ ]\s*[0-9.]+){0,2}\s*$")
 
 

@@ -17,11 +17,8 @@ import math
 import numpy as np
 import torch
 
+from heteroflow.config.data import MID_LEVEL_SURPLUS
 from heteroflow.data.gpt_samples import GPTSamples, rows_to_batch
-
-MID_LEVEL_SURPLUS = 0.005
-"""Megatron's `mid_level_dataset_surplus` default: each blended dataset builds this share more samples."""
-
 
 def normalized(weights) -> list[float]:
     """Weights divided by their sum in float64, as Megatron's `normalize`."""

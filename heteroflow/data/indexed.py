@@ -118,6 +118,10 @@ class IndexedWriter:
         self._bin.write(array.astype(self.dtype).tobytes())
         self.lengths.append(int(array.size))
 
+    def abort(self) -> None:
+        """Close `.bin` without writing an index (no-op after `close`)."""
+        self._bin.close()
+
     def close(self) -> Path:
         """Finish `.bin` and write `.idx`; returns the index path."""
         self._bin.close()

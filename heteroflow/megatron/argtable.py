@@ -16,7 +16,7 @@ IGNORED_GROUPS = {
     "logging": "logging, profiling and monitoring only",
     "checkpoint": "Megatron checkpoint files and their format: heteroflow neither reads nor writes them "
                   "(set train.checkpoint, or train.init_from with a Hugging Face checkpoint)",
-    "data": "Megatron data-pipeline detail; heteroflow reads one token file (train.data)",
+    "data": "Megatron data-pipeline detail; heteroflow reads --data-path, its blend and --split (train.data)",
     "eval": "validation schedule; a heteroflow job does not evaluate while training",
     "kernel": "kernel or implementation choice: same model, same layout",
     "fp8": "FP8/FP4 execution in Transformer Engine: a kernel precision that does not change the plan; "

@@ -287,12 +287,12 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
         layout = map_layout(ctx, world, model["num_layers"], model["seq_length"])
     if layout is not None:
         layout = replace(layout, world_size=world)
-        train = map_train(ctx, layout, model.get("vocab_size"))
+        train = map_train(ctx, layout)
     elif model:
         # Still read the training arguments, so every problem is reported in one go.
         mbs, gbs = ctx.get("micro_batch_size") or 1, ctx.get("global_batch_size") or 1
         map_train(ctx, MegatronLayout(world, 1, ParallelLayout(), mbs if isinstance(mbs, int) else 1,
-                                      gbs if isinstance(gbs, int) else 1, (model["num_layers"],)), None)
+                                      gbs if isinstance(gbs, int) else 1, (model["num_layers"],)))
     summary = None
     if layout is not None:
         par = layout.parallel

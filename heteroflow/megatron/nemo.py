@@ -189,8 +189,11 @@ def _model_key(rest: str, key: str, value, values: dict, max_steps, item, entry,
     if rest.startswith("data."):
         if rest == "data.data_prefix":
             item(key, "data_path", value if isinstance(value, list) else [value])
+        elif rest == "data.splits_string" and value is not None:
+            item(key, "split", str(value))
         else:
-            entry(key, value, "ignored", "NeMo data-pipeline detail; heteroflow reads one token file (train.data)")
+            entry(key, value, "ignored", "NeMo data-pipeline detail; heteroflow reads data_prefix and splits_string "
+                                         "(train.data)")
         return
     if rest.startswith("optim."):
         _optim_key(rest, key, value, values, max_steps, item, entry)

@@ -58,8 +58,10 @@ def test_gpt3_positional_parameters_feed_the_data_path():
     result = import_megatron(GPT3, ImportOptions(device_type="nvidia-a100-80g",
                                                  script_args=("ckpt", "tb", "vocab.json", "merges.txt",
                                                               "/data/pile_text_document")))
-    assert result.job.train.data.path == "/data/pile_text_document.bin"
-    assert result.job.train.data.dtype == "uint16"
+    data = result.job.train.data
+    assert data.prefixes == ("/data/pile_text_document",) and data.weights is None and data.split == "949,50,1"
+    assert data.dtype is None  # read from the .idx
+    assert entry(result, "--split").disposition == "mapped"
     assert entry(result, "--save").value == "ckpt"
     assert not any("positional parameter" in n for n in result.report.script_notes)
 
@@ -112,8 +114,8 @@ def test_llama3_real_data_branch_reads_the_tokenizer_and_data():
     result = import_megatron(LLAMA3, ImportOptions(device_type="nvidia-h100-sxm", script_args=(
         "ckpt", "tb", "meta-llama/Meta-Llama-3-8B", "/data/llama3_text_document")))
     assert result.job.model.vocab_size == 128256
-    assert result.job.train.data.path == "/data/llama3_text_document.bin"
-    assert result.job.train.data.dtype == "uint32"
+    assert result.job.train.data.prefixes == ("/data/llama3_text_document",)
+    assert result.job.train.data.split == "99,1,0"
     assert entry(result, "--tokenizer-type").value == "HuggingFaceTokenizer"
 
 
@@ -194,7 +196,10 @@ def test_nemo_model_yaml():
     assert entry(result, "model.max_position_embeddings").value == "${.encoder_seq_length}"
     resolver = entry(result, "exp_manager.checkpoint_callback_params.model_parallel_size")
     assert "OmegaConf resolver" in resolver.detail
-    assert entry(result, "model.data.data_prefix").disposition == "approximated"
+    assert entry(result, "model.data.data_prefix").disposition == "mapped"
+    assert job.train.data.prefixes == ("/data/slimpajama/train_00_text_document",
+                                       "/data/slimpajama/train_01_text_document")
+    assert job.train.data.weights == (0.5, 0.5) and job.train.data.split == "990,8,2"
 
 
 def test_the_imported_jobs_validate_when_written(tmp_path):
