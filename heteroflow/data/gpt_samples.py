@@ -60,7 +60,7 @@ class GPTSamples:
             order = np.concatenate([_shuffled_epochs(documents, epochs - 1, rng), _shuffled_epochs(documents, 1, rng)])
         else:
             order = _shuffled_epochs(documents, epochs, rng)
-        self.document_order = order
+        self.document_order, self.separate_final_epoch, self.num_epochs = order, separate, epochs
         lengths = dataset.sequence_lengths[order].astype(np.int64)
         self.starts = np.zeros(len(order) + 1, dtype=np.int64)  # stream position where each entry begins
         np.cumsum(lengths, out=self.starts[1:])
