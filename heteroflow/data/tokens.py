@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -107,12 +108,20 @@ class SampleOrder:
         return out
 
 
+class Samples(Protocol):
+    """Numbered samples of S + 1 tokens: a `TokenFile`, or Megatron's `GPTSamples` / `BlendedSamples`."""
+
+    num_samples: int
+
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels), each int64 [len(indices), S]."""
+
+
 @dataclass(frozen=True, slots=True)
 class TrainData:
-    """The samples a job trains on (a `TokenFile`, or Megatron's `GPTSamples` / `BlendedSamples`: anything
-    with `num_samples` and `batch(indices)`) and the order it reads them in."""
+    """The samples a job trains on and the order it reads them in."""
 
-    samples: object
+    samples: Samples
     order: SampleOrder
 
     @property
