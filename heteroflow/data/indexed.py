@@ -76,7 +76,8 @@ class IndexedDataset:
         if count and (self.sequence_lengths.min() < 0 or self.sequence_pointers[0] != 0 or np.any(
                 np.diff(self.sequence_pointers) != self.sequence_lengths[:-1].astype(np.int64) * self.dtype.itemsize)):
             raise UserError(f"{where}: {idx} has sequence offsets that do not follow its lengths; the index is corrupt")
-        self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+        # A plain ndarray view of the map: slicing a np.memmap subclass costs more than the read itself.
+        self.tokens = np.asarray(np.memmap(bin_, dtype=self.dtype, mode="r")) if size else np.zeros(0, self.dtype)
         self.num_tokens = num_tokens
 
     def __len__(self) -> int:
