@@ -34,9 +34,12 @@ from heteroflow.megatron.mapping import map_model
 from heteroflow.megatron.nemo import nemo_key, read_nemo_yaml
 from heteroflow.megatron.placement import PLACEHOLDER_DEVICE, generated_cluster, plan_section
 from heteroflow.megatron.report import Entry, ImportReport, LayoutSummary
+from heteroflow.megatron.script_files import file_finder
 from heteroflow.megatron.shell import run_script
 from heteroflow.megatron.training import map_train
+from heteroflow.megatron.model_config import is_model_config, read_model_config
 from heteroflow.megatron.yaml_cfg import read_megatron_yaml, yaml_key
+from heteroflow.megatron.yaml_files import read_megatron_yaml_file
 
 _STAND_IN_DEVICE = "cpu"
 
@@ -171,10 +174,11 @@ class _Source:
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
     text = read_text_file(path)
     try:
-        run = run_script(text, args=options.script_args, env=options.env, script_name=str(path))
+        run = run_script(text, args=options.script_args, env=options.env, script_name=str(path),
+                         cwd=str(path.resolve().parent), read_file=file_finder(path))
         launch = find_launch(run.commands)
     except UserError as exc:
-        raise UserError(f"{path}: {exc}") from None
+        raise UserError(f"{path}: {exc}{_exit_hint(run) if 'run' in locals() else ''}") from None
     args = parse_argv(launch.argv, launch.line)
     notes = list(run.notes) + list(launch.notes)
     for name, line in sorted(run.missing.items(), key=lambda kv: kv[1]):
@@ -187,13 +191,13 @@ def _read_shell(path: Path, options: ImportOptions) -> _Source:
             notes.append(f"line {line}: word {text!r} on the launch line is not known; if it holds arguments, "
                          "pass it with --env")
     source = _Source("shell", args, list(launch.entries), notes, [], launch, launch.nnodes, launch.nproc_per_node,
-                     launch.program)
+                     launch.program_path)
     yaml_cfg = args.setting("yaml_cfg")
     if yaml_cfg is not None and yaml_cfg.value:
         cfg_path = Path(str(yaml_cfg.value))
         if not cfg_path.is_absolute():
             cfg_path = path.parent / cfg_path if (path.parent / cfg_path).exists() else cfg_path
-        yaml_args, yaml_entries = read_megatron_yaml(read_yaml(cfg_path), origin="yaml")
+        yaml_args, yaml_entries = read_megatron_yaml(read_megatron_yaml_file(cfg_path), origin="yaml")
         ignored = [Entry(s.key, s.shown, "ignored", "Megatron reads every argument from --yaml-cfg and ignores the "
                                                     "command line", s.line, s.origin)
                    for s in args.settings if s.dest != "yaml_cfg"]
@@ -204,10 +208,26 @@ def _read_shell(path: Path, options: ImportOptions) -> _Source:
     return source
 
 
+def _exit_hint(run) -> str:
+    """Why the script stopped early, when an `exit` cut it short, with the variables to pass."""
+    if run.exited_at is None or run.exit_status == 0:
+        return ""
+    if run.exit_unset:
+        names = " ".join(f"--env {n}=VALUE" for n in run.exit_unset)
+        return (f"; the script exits at line {run.exited_at} because {', '.join('$' + n for n in run.exit_unset)} "
+                f"{'is' if len(run.exit_unset) == 1 else 'are'} not set: pass {names}")
+    return f"; the script exits at line {run.exited_at} before it launches anything"
+
+
 def _read_source(path: Path, options: ImportOptions) -> _Source:
     if path.suffix.lower() not in (".yaml", ".yml"):
         return _read_shell(path, options)
-    data = read_yaml(path)
+    data = read_megatron_yaml_file(path)
+    if is_model_config(path, data):
+        config = read_model_config(path, data, options.env)
+        args = parse_argv(config.argv)
+        return _Source("model_config.yaml", args, [], [], list(config.blockers), None, None, config.nproc_per_node,
+                       config.program)
     kind = _source_kind(path, data)
     if kind == "nemo-yaml":
         args, entries, blockers, nnodes, nproc = read_nemo_yaml(data)
