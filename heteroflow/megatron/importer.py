@@ -37,6 +37,7 @@ from heteroflow.megatron.report import Entry, ImportReport, LayoutSummary
 from heteroflow.megatron.script_files import file_finder
 from heteroflow.megatron.shell import run_script
 from heteroflow.megatron.training import map_train
+from heteroflow.megatron.programs import nemo_family
 from heteroflow.megatron.model_config import is_model_config, read_model_config
 from heteroflow.megatron.yaml_cfg import read_megatron_yaml, yaml_key
 from heteroflow.megatron.yaml_files import read_megatron_yaml_file
@@ -230,6 +231,9 @@ def _read_source(path: Path, options: ImportOptions) -> _Source:
                        config.program)
     kind = _source_kind(path, data)
     if kind == "nemo-yaml":
+        family = nemo_family(str(path))
+        if family is not None:
+            return _Source(kind, parse_argv(()), [], [], [family], None, 1, 1, "pretrain_gpt.py", nemo_key)
         args, entries, blockers, nnodes, nproc = read_nemo_yaml(data)
         return _Source(kind, args, entries, [], blockers, None, nnodes, nproc, "pretrain_gpt.py", nemo_key)
     args, entries = read_megatron_yaml(data)

@@ -60,7 +60,11 @@ def map_model(ctx: Context, tp: int, vocab_override: int | None) -> dict:
                                                 "key/value head per query head)")
     _tp_rules(ctx, tp, heads, kv_heads, ffn)
     position = _position(ctx, seq)
-    rope_theta = float(ctx.get("rotary_base"))
+    base = ctx.get("rotary_base")
+    if not isinstance(base, (int, float)):
+        # Its conversion problem (or the unresolved value) is already reported; keep Megatron's default.
+        base = 10000
+    rope_theta = float(base)
     if position == "rope":
         ctx.mark_or_default("rotary_base", "mapped", f"model.rope_theta = {rope_theta:g}")
     else:

@@ -32,6 +32,31 @@ _TOOLS = (
 )
 
 
+_NEMO_FAMILIES = {
+    "bert": "BERT (bidirectional encoder, masked-LM objective)", "t5": "T5 (encoder-decoder)",
+    "mt5": "mT5 (encoder-decoder)", "retro": "Retro (retrieval-augmented decoder)",
+    "clip": "CLIP (vision-text contrastive model)", "vit": "vision Transformer",
+    "neva": "multimodal vision-language model (VLM, NeVA)", "video_neva": "multimodal video-language model (VLM)",
+    "stable_diffusion": "diffusion image model (Stable Diffusion)", "sdxl": "diffusion image model (SDXL)",
+    "imagen": "diffusion image model (Imagen)", "controlnet": "diffusion image model (ControlNet)",
+    "dreambooth": "diffusion image model (DreamBooth)", "instruct_pix2pix": "diffusion image model (InstructPix2Pix)",
+    "nerf": "NeRF 3D generation (DreamFusion)",
+}
+
+
+def nemo_family(path: str) -> str | None:
+    """The model family of a NeMo-Framework-Launcher training YAML (`conf/training/<family>/X.yaml`) when
+    it is not a decoder-only GPT, else None."""
+    directories = path.replace("\\", "/").split("/")[:-1]
+    if "tp_overlap" in directories:
+        return ("not a training configuration: NeMo's tp_overlap files hold Transformer Engine userbuffer "
+                "settings for tensor-parallel overlap")
+    for family in reversed(directories):
+        if family in _NEMO_FAMILIES:
+            return f"{_NEMO_FAMILIES[family]}: NeMo's {family} training configuration is not a decoder-only GPT model"
+    return None
+
+
 def program_family(program: str) -> str | None:
     """Why `program` (a path as the script writes it) is not a GPT training run, or None when it is one."""
     name = posixpath.basename(program)

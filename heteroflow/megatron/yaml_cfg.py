@@ -66,6 +66,9 @@ def _typed(definition: ArgDef, value: object) -> list[Field]:
         return [Field(str(v)) for v in value]
     if isinstance(value, bool):
         return [Field(str(value).lower())]
+    if definition.kind == "int" and isinstance(value, float) and value.is_integer():
+        # YAML values are typed already (Megatron sets them without argparse): 1000000.0 is the integer.
+        return [Field(str(int(value)))]
     return [Field(str(value))]
 
 
