@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -66,8 +67,16 @@ def run_import_megatron(args: argparse.Namespace):
     from heteroflow.megatron import ImportOptions, import_megatron
     options = ImportOptions(cluster=args.cluster, device_type=args.device_type, script_args=tuple(args.script_args),
                             env=_env_pairs(args.env), nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                            vocab_size=args.vocab_size)
+                            vocab_size=args.vocab_size, **_megatron_version(args.megatron_version))
     return import_megatron(args.source, options)
+
+
+def _megatron_version(text: str | None) -> dict:
+    """`--megatron-version` as ImportOptions keywords (none: the current release's rules)."""
+    if text is None:
+        return {}
+    from heteroflow.megatron.versions import parse_version
+    return {"megatron_version": parse_version(text)}
 
 
 def cmd_import_megatron(args: argparse.Namespace) -> int:
@@ -214,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="devices per node, when the source does not say")
     p.add_argument("--vocab-size", type=int, metavar="N",
                    help="tokenizer vocabulary size (before Megatron's padding), when it cannot be told")
+    p.add_argument("--megatron-version", metavar="X.Y",
+                   help="apply an older Megatron-Core release's rules where they changed (default: current main)")
     p.add_argument("--json", action="store_true", help="print one JSON document (job and report)")
 
     p = add("plan", cmd_plan, "search the best plan for a job (or estimate one with --evaluate)")
@@ -289,6 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, and keep Python from reporting the closed
+        # stdout again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

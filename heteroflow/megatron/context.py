@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from heteroflow.errors import UserError
 from heteroflow.megatron.args import MegatronArgs, Setting
+from heteroflow.megatron.versions import CURRENT, MegatronVersion
 from heteroflow.megatron.argtable import FEATURE_GROUPS, IGNORED_GROUPS, MAPPED, by_dest
 from heteroflow.megatron.report import Entry
 
@@ -28,6 +29,8 @@ class Context:
     notes: list[str] = field(default_factory=list)
     spelling: object = None
     """For YAML sources: destination -> the key the source would use (messages name keys, not flags)."""
+    version: MegatronVersion = CURRENT
+    """The Megatron-Core release whose rules apply (`--megatron-version`)."""
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, dest: str):

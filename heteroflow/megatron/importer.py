@@ -41,6 +41,7 @@ from heteroflow.megatron.programs import nemo_family
 from heteroflow.megatron.model_config import is_model_config, read_model_config
 from heteroflow.megatron.yaml_cfg import read_megatron_yaml, yaml_key
 from heteroflow.megatron.yaml_files import read_megatron_yaml_file
+from heteroflow.megatron.versions import CURRENT, MegatronVersion
 
 _STAND_IN_DEVICE = "cpu"
 
@@ -63,6 +64,8 @@ class ImportOptions:
     """Overrides the processes (devices) per node the source implies."""
     vocab_size: int | None = None
     """Tokenizer vocabulary size (before Megatron's padding) when the source does not tell it."""
+    megatron_version: MegatronVersion = CURRENT
+    """The Megatron-Core release whose rules apply where they changed (NullTokenizer's vocabulary)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +300,7 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
     notes = list(source.notes)
     if options.device_type is not None and cluster is not None:
         notes.append(f"--device-type {options.device_type} is not used: the cluster file names the devices")
-    ctx = Context(source.args, spelling=source.spelling)
+    ctx = Context(source.args, spelling=source.spelling, version=options.megatron_version)
     for problem in source.args.problems:
         ctx.error(f"{problem} (Megatron's argument parser rejects it)")
     for blocker in source.blockers:

@@ -10,6 +10,7 @@ import math
 import re
 
 from heteroflow.megatron.context import Context
+from heteroflow.megatron.versions import null_tokenizer_vocab
 
 # Tokenizer vocabularies Megatron reads from the tokenizer itself (len(tokenizer) for Hugging Face ones).
 _KNOWN_TOKENIZERS = ((re.compile(r"llama[-_ ]?3|meta-llama-3", re.I), 128256, "Llama-3"),
@@ -280,7 +281,7 @@ def _tokenizer_size(ctx: Context, kind: str | None, override: int | None) -> tup
         if vocab_size is None:
             ctx.error("--tokenizer-type NullTokenizer needs --vocab-size (Megatron asserts it)")
             return None, ""
-        return vocab_size + 1, f"NullTokenizer: --vocab-size {vocab_size} + 1 end-of-document token"
+        return null_tokenizer_vocab(vocab_size, ctx.version)
     if kind == "GPT2BPETokenizer":
         return _GPT2_VOCAB, f"GPT-2 BPE {_GPT2_VOCAB} tokens"
     if kind is None and ctx.given("vocab_file") and ctx.given("merge_file"):
