@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from heteroflow.errors import UserError
 from heteroflow.megatron.args import MegatronArgs, Setting
 from heteroflow.megatron.versions import CURRENT, MegatronVersion
-from heteroflow.megatron.argtable import FEATURE_GROUPS, IGNORED_GROUPS, MAPPED, by_dest
+from heteroflow.megatron.argtable import FEATURE_GROUPS, IGNORED_GROUPS, MAPPED, UNMAPPED, by_dest
 from heteroflow.megatron.report import Entry
 
 NO_RULE = "no effect on the job with the other arguments given"
@@ -142,6 +142,9 @@ class Context:
         if setting.dest is None:
             return _entry(setting, "unknown", "not a Megatron-LM argument heteroflow knows (a newer or a fork's "
                                               "flag?); it is not used")
+        if group == UNMAPPED:
+            return _entry(setting, "unknown", "a current Megatron-LM argument heteroflow has no rule for: not used; "
+                                              "check that it does not change the model you want")
         assert group == MAPPED, setting
         return _entry(setting, "ignored", NO_RULE)
 
