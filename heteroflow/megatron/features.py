@@ -54,7 +54,8 @@ def check_features(ctx: Context, program: str | None) -> None:
         if switch_setting is not None:
             members.insert(0, switch_setting)
         if group == "hybrid":
-            members += [s for s in ctx.args.settings if s.dest in ("is_hybrid_model", "hybrid_override_pattern")]
+            members += [s for s in ctx.args.settings if s.dest in ("is_hybrid_model", "hybrid_override_pattern",
+                                                                     "hybrid_layer_pattern")]
         if not _active(ctx, group, name):
             for setting in members:
                 if setting.dest == switch_dest and switch_dest is not None:

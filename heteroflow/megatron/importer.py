@@ -263,6 +263,13 @@ def _world(source: _Source, options: ImportOptions, cluster: ClusterSpec | None,
         problem = None if value is None else limit.problem(value)
         if problem is not None:
             raise UserError(f"{name}: {problem}")
+    if cluster is not None and not options.nnodes and not options.nproc_per_node:
+        # The cluster file says where the job runs: its devices are the world, whatever the launcher said.
+        counts = {n.count for n in cluster.nodes}
+        if source.nnodes and source.nproc_per_node and source.nnodes * source.nproc_per_node != cluster.num_devices:
+            notes.append(f"the source launches {source.nnodes} x {source.nproc_per_node} processes; the cluster has "
+                         f"{cluster.num_devices} devices, which are the world size of the import")
+        return cluster.num_devices, len(cluster.nodes), counts.pop() if len(counts) == 1 else 0
     nnodes = options.nnodes or source.nnodes
     nproc = options.nproc_per_node or source.nproc_per_node
     for given, found, what in ((options.nnodes, source.nnodes, "nodes"),

@@ -28,6 +28,10 @@ def map_model(ctx: Context, tp: int, vocab_override: int | None) -> dict:
         ctx.mark("encoder_num_layers", "mapped", f"model.num_layers = {num_layers}")
     elif ctx.given("encoder_num_layers"):
         ctx.error("cannot have both num-layers and encoder-num-layers specified (Megatron)")
+    pattern = ctx.get("hybrid_layer_pattern")
+    if num_layers is None and isinstance(pattern, str):
+        # Current Megatron counts the layers of --hybrid-layer-pattern (the model is refused as hybrid).
+        num_layers = sum(pattern.count(c) for c in "M*-E")
     if num_layers is None:
         ctx.required("num_layers")
     hidden = ctx.required("hidden_size")
@@ -223,6 +227,10 @@ def _shape_blockers(ctx: Context) -> None:
         ("no_rope_freq", lambda v: v is not None, "layers without RoPE (--no-rope-freq)"),
         ("qk_l2_norm", lambda v: v, "Llama-4 query/key L2 normalisation"),
         ("spec", lambda v: v not in (None, [], ["local"]), "a custom layer spec"),
+        ("use_mup", lambda v: v, "muP (maximal-update parametrisation: its own initialisation and per-layer "
+                                 "learning rates)"),
+        ("attention_output_gate", lambda v: v, "gated attention output"),
+        ("experimental_attention_variant", lambda v: v is not None, "experimental attention variant"),
     )
     for dest, active, label in rules:
         value = ctx.get(dest)
