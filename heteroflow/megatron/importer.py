@@ -12,6 +12,7 @@ stand-in device so every other problem shows now).
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from heteroflow.megatron.report import Entry, ImportReport, LayoutSummary
 from heteroflow.megatron.script_files import file_finder
 from heteroflow.megatron.shell import run_script
 from heteroflow.megatron.training import map_train
-from heteroflow.megatron.programs import nemo_family
+from heteroflow.megatron.programs import nemo_family, program_family
 from heteroflow.megatron.model_config import is_model_config, read_model_config
 from heteroflow.megatron.yaml_cfg import read_megatron_yaml, yaml_key
 from heteroflow.megatron.yaml_files import read_megatron_yaml_file
@@ -182,6 +183,9 @@ def _read_shell(path: Path, options: ImportOptions) -> _Source:
                          cwd=str(path.resolve().parent), read_file=file_finder(path))
         launch = find_launch(run.commands)
     except UserError as exc:
+        found = _family_in_text(text)
+        if found is not None and "no training launch" in str(exc):
+            raise UserError(f"{path}: {found}") from None
         raise UserError(f"{path}: {exc}{_exit_hint(run) if 'run' in locals() else ''}") from None
     args = parse_argv(launch.argv, launch.line)
     notes = list(run.notes) + list(launch.notes)
@@ -212,10 +216,34 @@ def _read_shell(path: Path, options: ImportOptions) -> _Source:
     return source
 
 
+_PROGRAM_WORD = re.compile(r"(?:^|[\s/=\"'])([\w.${}/-]+\.py)\b|(?:\s-m\s+)([\w.]+)", re.M)
+
+
+def _family_in_text(text: str) -> str | None:
+    """The family of a non-training program the script text names, for a script whose interpreted path
+    launches nothing (it stops earlier, e.g. on a missing option): `line N: inference: ...`."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("#"):
+            continue
+        for match in _PROGRAM_WORD.finditer(line):
+            program = match.group(1) or (match.group(2).replace(".", "/") + ".py")
+            if program.startswith("torch/distributed"):
+                continue
+            family = program_family(program)
+            if family is not None:
+                return f"line {number}: {family}"
+    return None
+
+
 def _exit_hint(run) -> str:
     """Why the script stopped early, when an `exit` cut it short, with the variables to pass."""
     if run.exited_at is None or run.exit_status == 0:
         return ""
+    positional = [n for n in run.exit_unset if n.isdigit() or n in "@*#"]
+    if positional:
+        return (f"; the script exits at line {run.exited_at} because it needs positional parameter "
+                f"{', '.join('$' + n for n in positional)}: pass it after the script "
+                "(heteroflow import-megatron SCRIPT ARG1 ARG2 ...)")
     if run.exit_unset:
         names = " ".join(f"--env {n}=VALUE" for n in run.exit_unset)
         return (f"; the script exits at line {run.exited_at} because {', '.join('$' + n for n in run.exit_unset)} "

@@ -235,9 +235,11 @@ def find_launch(commands: tuple[Command, ...]) -> Launch:
             c = unknown[0]
             raise UserError(f"line {c.line}: the launcher runs {' '.join(f.text for f in c.fields)[:120]!r}, "
                             "but the training script's path is not known; pass the variables it uses with --env")
+        if not programs:
+            raise UserError("no training launch found: the script runs no Python program (a file of settings that "
+                            "a launch script `source`s? import the launch script instead)")
         raise UserError("no training launch found: expected a command such as `torchrun ... pretrain_gpt.py ...` "
-                        "(heteroflow reads the script without running it; commands inside `source`d files are "
-                        "not followed)")
+                        "(heteroflow reads the script without running it)")
     command, k = found[0]
     notes = [f"line {c.line}: another launch of {c.fields[j].text} is not used (the first launch, line "
              f"{command.line}, is imported)" for c, j in found[1:]]
