@@ -179,14 +179,18 @@ class _Source:
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
     text = read_text_file(path)
     try:
-        run = run_script(text, args=options.script_args, env=options.env, script_name=str(path),
+        run = run_script(text, args=options.script_args, env=options.env, script_name=str(path.resolve()),
                          cwd=str(path.resolve().parent), read_file=file_finder(path))
         launch = find_launch(run.commands)
     except UserError as exc:
-        found = _family_in_text(text)
-        if found is not None and "no training launch" in str(exc):
-            raise UserError(f"{path}: {found}") from None
-        raise UserError(f"{path}: {exc}{_exit_hint(run) if 'run' in locals() else ''}") from None
+        hint = _exit_hint(run) if "run" in locals() else ""
+        if "no training launch" in str(exc):
+            found = _family_in_text(text)
+            if found is not None:
+                raise UserError(f"{path}: {found}") from None
+            if hint:
+                raise UserError(f"{path}: no training launch reached{hint}") from None
+        raise UserError(f"{path}: {exc}{hint}") from None
     args = parse_argv(launch.argv, launch.line)
     notes = list(run.notes) + list(launch.notes)
     for name, line in sorted(run.missing.items(), key=lambda kv: kv[1]):
@@ -222,6 +226,7 @@ _PROGRAM_WORD = re.compile(r"(?:^|[\s/=\"'])([\w.${}/-]+\.py)\b|(?:\s-m\s+)([\w.
 def _family_in_text(text: str) -> str | None:
     """The family of a non-training program the script text names, for a script whose interpreted path
     launches nothing (it stops earlier, e.g. on a missing option): `line N: inference: ...`."""
+    families = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.lstrip().startswith("#"):
             continue
@@ -230,9 +235,10 @@ def _family_in_text(text: str) -> str | None:
             if program.startswith("torch/distributed"):
                 continue
             family = program_family(program)
-            if family is not None:
-                return f"line {number}: {family}"
-    return None
+            if family is None:
+                return None  # the script may also launch a training entry point: nothing to tell from the text
+            families.append(f"line {number}: {family}")
+    return families[0] if families else None
 
 
 def _exit_hint(run) -> str:
