@@ -37,8 +37,9 @@ class ModelConfig:
 
 def is_model_config(path: Path, data: object) -> bool:
     """Whether `data` is a functional-test configuration (a `MODEL_ARGS:` mapping of flags)."""
-    return (isinstance(data, dict) and isinstance(data.get("MODEL_ARGS"), dict)
-            and all(isinstance(k, str) and k.startswith("-") for k in data["MODEL_ARGS"]))
+    if not isinstance(data, dict) or "MODEL_ARGS" not in data:
+        return False
+    return data["MODEL_ARGS"] is None or isinstance(data["MODEL_ARGS"], dict)
 
 
 def _words(value: object, env: dict[str, str]) -> list[Field]:
@@ -64,6 +65,13 @@ def _program(path: Path) -> str:
 
 def read_model_config(path: Path, data: dict, env: dict[str, str]) -> ModelConfig:
     """The launch a functional-test configuration describes."""
+    if not data["MODEL_ARGS"]:
+        raise UserError(f"{path}: MODEL_ARGS is empty: this test case runs its own script (a checkpoint converter, "
+                        "a unit of the harness), not a Megatron training launch")
+    other = [k for k in data["MODEL_ARGS"] if not (isinstance(k, str) and k.startswith("-"))]
+    if other:
+        raise UserError(f"{path}: MODEL_ARGS holds {other[0]!r}, not Megatron flags: the test case runs NeMo 2.0 "
+                        "recipe overrides (trainer.*, model.config.*), not a Megatron-LM launch")
     argv: list[Field] = []
     for key, value in data["MODEL_ARGS"].items():
         if value is True:
