@@ -261,6 +261,9 @@ def _read_source(path: Path, options: ImportOptions) -> _Source:
     if path.suffix.lower() not in (".yaml", ".yml"):
         return _read_shell(path, options)
     data = read_megatron_yaml_file(path)
+    family = nemo_family(str(path.resolve()))
+    if family is not None:
+        return _Source("nemo-yaml", parse_argv(()), [], [], [family], None, 1, 1, "pretrain_gpt.py", nemo_key)
     if is_model_config(path, data):
         config = read_model_config(path, data, options.env)
         args = parse_argv(config.argv)
@@ -268,9 +271,6 @@ def _read_source(path: Path, options: ImportOptions) -> _Source:
                        config.program)
     kind = _source_kind(path, data)
     if kind == "nemo-yaml":
-        family = nemo_family(str(path))
-        if family is not None:
-            return _Source(kind, parse_argv(()), [], [], [family], None, 1, 1, "pretrain_gpt.py", nemo_key)
         args, entries, blockers, nnodes, nproc = read_nemo_yaml(data)
         return _Source(kind, args, entries, [], blockers, None, nnodes, nproc, "pretrain_gpt.py", nemo_key)
     args, entries = read_megatron_yaml(data)
@@ -347,7 +347,16 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
     for blocker in source.blockers:
         ctx.block(blocker)
     check_features(ctx, source.program)
-    world, nnodes, nproc = _world(source, options, cluster, notes)
+    try:
+        world, nnodes, nproc = _world(source, options, cluster, notes)
+    except UserError:
+        if not ctx.blockers:
+            raise
+        # A refused model needs no cluster size: say what it is rather than what is missing.
+        report = ImportReport(str(path), source.kind, tuple(source.entries + ctx.entries()), None,
+                              source.launch.describe() if source.launch is not None else "", tuple(ctx.blockers),
+                              tuple(notes))
+        return ImportResult(str(path), report, None, None, None)
     tp = ctx.get("tensor_model_parallel_size") if isinstance(ctx.get("tensor_model_parallel_size"), int) else 1
     model = map_model(ctx, max(tp, 1), options.vocab_size)
     layout = train = None

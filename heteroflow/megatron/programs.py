@@ -48,6 +48,9 @@ def nemo_family(path: str) -> str | None:
     """The model family of a NeMo-Framework-Launcher training YAML (`conf/training/<family>/X.yaml`) when
     it is not a decoder-only GPT, else None."""
     directories = path.replace("\\", "/").split("/")[:-1]
+    if "training" not in directories:
+        return None  # not laid out like the launcher's conf/training/<family>/: the directory tells nothing
+    directories = directories[len(directories) - directories[::-1].index("training"):]
     if "tp_overlap" in directories:
         return ("not a training configuration: NeMo's tp_overlap files hold Transformer Engine userbuffer "
                 "settings for tensor-parallel overlap")

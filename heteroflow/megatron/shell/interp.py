@@ -284,13 +284,13 @@ class Interpreter:
             return status
         self.env.last_status = 0
         if name is not None and name.rsplit("/", 1)[-1] == "sbatch":
-            followed = self._sbatch(fields, line)
+            followed = self._sbatch(fields, line, node.heredoc)
             if followed is not None:
                 return followed
         shell_at = None
         if fields[0].text.rsplit("/", 1)[-1] in _WRAPPERS:
             shell_at = next((j for j, f in enumerate(fields[1:], 1) if f.text.rsplit("/", 1)[-1] in ("bash", "sh")
-                             and j + 2 < len(fields) and fields[j + 1].text == "-c"), None)
+                             and _runs_string(fields[j + 1:])), None)
         if shell_at is not None:
             # `srun ... bash -c "torchrun ..."`: read the string, keeping the wrapper's words in front of
             # every command it runs so the launcher still sees `srun -N 4`.
@@ -305,21 +305,24 @@ class Interpreter:
             self.env.note(f"`{' '.join(f.text for f in fields)[:80]}` is not run; assumed to succeed")
         return True
 
-    def _sbatch(self, fields: list[Field], line: int) -> Truth:
-        """`sbatch [OPTIONS] SCRIPT [ARGS]`: read SCRIPT with its `#SBATCH` lines as options of the launch;
-        None when the script cannot be read (the command is then recorded as it is)."""
+    def _sbatch(self, fields: list[Field], line: int, heredoc: str | None) -> Truth:
+        """`sbatch [OPTIONS] SCRIPT [ARGS]` (or `sbatch <<EOF`): read the script with its `#SBATCH` lines as
+        options of the launch; None when it cannot be read (the command is then recorded as it is)."""
         k = 1
         while k < len(fields) and fields[k].text.startswith("-"):
             text = fields[k].text
             takes_value = "=" not in text and text not in _SBATCH_FLAGS
             k += 2 if takes_value else 1
-        if k >= len(fields) or not fields[k].known or self.read_file is None:
-            return None
-        found = self.read_file(fields[k].text)
-        if found is None:
-            return None
-        path, text = found
-        self.sourced.append(path)
+        if k >= len(fields) and heredoc is not None:
+            path, text = "a here-document", heredoc
+        else:
+            if k >= len(fields) or not fields[k].known or self.read_file is None:
+                return None
+            found = self.read_file(fields[k].text)
+            if found is None:
+                return None
+            path, text = found
+            self.sourced.append(path)
         directives = [w for d in re.findall(r"^#SBATCH[ \t]+(.*)$", text, re.M) for w in d.split("#")[0].split()]
         saved = self.command_prefix, self.env.positionals
         self.command_prefix = saved[0] + (Field("sbatch"),) + tuple(Field(w) for w in directives) + tuple(fields[1:k])
@@ -416,6 +419,16 @@ class Interpreter:
         finally:
             self.eval_depth -= 1
             self.line_override = saved
+
+
+def _runs_string(words: list[Field]) -> bool:
+    """Whether the words after `bash` are options ending in `-c STRING` (`bash -x -c "..."`)."""
+    for k, word in enumerate(words):
+        if word.text == "-c":
+            return k + 1 < len(words)
+        if not word.text.startswith("-"):
+            return False
+    return False
 
 
 def _source_of(node: AndOr) -> str:
