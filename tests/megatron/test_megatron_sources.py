@@ -167,3 +167,37 @@ def test_report_piped_into_head_exits_quietly():
                "--json | head -c 10")
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_sbatch_here_document_with_bash_options_is_read(tmp_path):
+    script = write(tmp_path / "submit.sh", f"""\
+        CMD="python pretrain_gpt.py {BASE_ARGS}"
+        sbatch <<EOF
+        #!/bin/bash
+        #SBATCH --nodes=2
+        #SBATCH --ntasks-per-node=4
+        srun --mpi=pmix bash -x -c "$CMD"
+        EOF
+        """)
+    result = import_megatron(script)
+    assert (result.layout.world_size, result.report.layout.nnodes) == (8, 2)
+
+
+def test_nemo_fractional_warmup_is_rounded_and_said(tmp_path):
+    path = write(tmp_path / "gpt.yaml", """\
+        trainer: {num_nodes: 1, devices: 8, max_steps: 100}
+        model:
+          micro_batch_size: 1
+          global_batch_size: 8
+          encoder_seq_length: 128
+          max_position_embeddings: 128
+          num_layers: 2
+          hidden_size: 128
+          ffn_hidden_size: 512
+          num_attention_heads: 4
+          tokenizer: {library: megatron, type: GPT2BPETokenizer}
+          optim: {name: fused_adam, lr: 1.0e-4, sched: {name: CosineAnnealing, warmup_steps: 12.5, min_lr: 1.0e-5}}
+        """)
+    result = import_megatron(path, ImportOptions(vocab_size=50257))
+    warmup = [e for e in result.report.entries if e.key == "model.optim.sched.warmup_steps"]
+    assert any(e.disposition == "approximated" and "rounded to 12" in e.detail for e in warmup)
