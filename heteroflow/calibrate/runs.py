@@ -24,10 +24,8 @@ from heteroflow.config.plan import parse_plan
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.yamlfile import read_yaml
 from heteroflow.errors import ConfigError, UserError
-from heteroflow.runtime.metrics import HEADER_VERSION, read_metrics
+from heteroflow.runtime.metrics import HEADER_VERSION, WARMUP_FRACTION, WARMUP_STEPS, read_metrics, warmup_count
 
-WARMUP_STEPS = 2
-WARMUP_FRACTION = 0.2
 MIN_MEASURED_STEPS = 1
 """Steps left after the warm-up for a run to count."""
 
@@ -76,8 +74,7 @@ def _is_jsonl(path: str) -> bool:
 
 def warm_step_times(times: list[float]) -> list[float]:
     """The step times after the warm-up."""
-    drop = max(WARMUP_STEPS, math.ceil(WARMUP_FRACTION * len(times)))
-    return times[drop:]
+    return times[warmup_count(len(times)):]
 
 
 def metrics_runs(job: JobConfig, path: str) -> tuple[list[Run], list[str]]:
