@@ -28,6 +28,10 @@ from heteroflow.runtime.metrics import HEADER_VERSION, WARMUP_FRACTION, WARMUP_S
 
 MIN_MEASURED_STEPS = 1
 """Steps left after the warm-up for a run to count."""
+FIT_PARTS = ("compute_s", "collective_s", "dp_s", "optimizer_s")
+"""The per-stage parts of a metrics run `calibrate --stage-parts` also fits (`compute_s`: forward and backward)."""
+MIN_PART_S = 1e-3
+"""Parts shorter than this are left out: timer noise, and nothing a factor could be fitted to."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +47,8 @@ class Run:
     measured_step_time_s: float
     num_steps: int = 0
     """Steps the median was taken over (0 for a measurements file)."""
+    measured_parts: tuple[tuple[int, str, float], ...] = ()
+    """(stage, part of `FIT_PARTS`, median seconds after the warm-up) of a metrics run with per-stage figures."""
 
 
 def load_runs(job: JobConfig, paths: list[str]) -> tuple[list[Run], list[str]]:
@@ -103,8 +109,26 @@ def metrics_runs(job: JobConfig, path: str) -> tuple[list[Run], list[str]]:
                          f"{WARMUP_FRACTION:.0%}); run at least {WARMUP_STEPS + MIN_MEASURED_STEPS} steps")
             continue
         runs.append(Run(source=where, job=run_job, plan=plan, emulate=emulate,
-                        measured_step_time_s=statistics.median(warm), num_steps=len(warm)))
+                        measured_step_time_s=statistics.median(warm), num_steps=len(warm),
+                        measured_parts=measured_parts(steps[len(steps) - len(warm):], len(plan.stages))))
     return runs, notes
+
+
+def part_seconds(figures: dict, part: str) -> float:
+    """One of `FIT_PARTS` from a stage's figures (`{"forward_s": ..., ...}`, measured or predicted)."""
+    if part == "compute_s":
+        return figures["forward_s"] + figures["backward_s"]
+    return figures[part]
+
+
+def measured_parts(steps: list[dict], num_stages: int) -> tuple[tuple[int, str, float], ...]:
+    """The medians of each stage's `FIT_PARTS` over `steps` (records without well-formed `stages` give none)."""
+    try:
+        medians = [(k, part, statistics.median(float(part_seconds(r["stages"][k]["measured"], part)) for r in steps))
+                   for k in range(num_stages) for part in FIT_PARTS]
+    except (KeyError, TypeError, IndexError, ValueError, statistics.StatisticsError):
+        return ()
+    return tuple((k, part, value) for k, part, value in medians if math.isfinite(value) and value >= MIN_PART_S)
 
 
 def _header_run(job: JobConfig, header: object, where: str) -> tuple[JobConfig, PlanSpec, bool]:
