@@ -15,10 +15,10 @@ from heteroflow.errors import UserError
 from heteroflow.optim.loss_scale import LossScaler
 from heteroflow.runtime.grad_faults import inject_grad_fault
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
-from heteroflow.runtime.stage_table import stage_table
-from heteroflow.runtime.stage_times import gather_stage_figures, rank_figures, stage_records
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
+from heteroflow.runtime.stage_table import stage_table
+from heteroflow.runtime.stage_times import gather_stage_figures, rank_figures, stage_records
 from heteroflow.runtime.user_errors import TrainingDiverged, clear_user_error, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
@@ -124,9 +124,9 @@ def _run_worker(args: WorkerArgs) -> WorkerResult:
 def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step and the losses."""
     from heteroflow.data.builtin import open_train_data
+    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
     from heteroflow.devices.timing import PartTimer
     from heteroflow.models.tp_ops import timing_collectives
-    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
