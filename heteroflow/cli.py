@@ -148,7 +148,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     factors = tuple(f.strip() for f in args.factors.split(",") if f.strip()) if args.factors else FACTORS
     kwargs = {} if args.prior_weight is None else {"prior_weight": args.prior_weight}
     return calibrate_command(job_path=args.job, run_paths=args.runs, output=args.output, as_json=args.json,
-                             factors=factors, **kwargs)
+                             factors=factors, stage_parts=args.stage_parts, **kwargs)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -253,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "dp_comm)")
     p.add_argument("--prior-weight", type=float, metavar="W",
                    help="pull toward the uncalibrated model, in log step time per log factor (default 0.05)")
+    p.add_argument("--stage-parts", action="store_true",
+                   help="also fit each stage's measured compute, tp-collective, dp and optimizer times (metrics files "
+                        "with per-stage figures)")
     p.add_argument("--json", action="store_true", help="print the calibration, sensitivities and residuals as JSON")
 
     p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
