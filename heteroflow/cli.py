@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -66,8 +67,16 @@ def run_import_megatron(args: argparse.Namespace):
     from heteroflow.megatron import ImportOptions, import_megatron
     options = ImportOptions(cluster=args.cluster, device_type=args.device_type, script_args=tuple(args.script_args),
                             env=_env_pairs(args.env), nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                            vocab_size=args.vocab_size)
+                            vocab_size=args.vocab_size, **_megatron_version(args.megatron_version))
     return import_megatron(args.source, options)
+
+
+def _megatron_version(text: str | None) -> dict:
+    """`--megatron-version` as ImportOptions keywords (none: the current release's rules)."""
+    if text is None:
+        return {}
+    from heteroflow.megatron.versions import parse_version
+    return {"megatron_version": parse_version(text)}
 
 
 def cmd_import_megatron(args: argparse.Namespace) -> int:
@@ -139,7 +148,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     factors = tuple(f.strip() for f in args.factors.split(",") if f.strip()) if args.factors else FACTORS
     kwargs = {} if args.prior_weight is None else {"prior_weight": args.prior_weight}
     return calibrate_command(job_path=args.job, run_paths=args.runs, output=args.output, as_json=args.json,
-                             factors=factors, **kwargs)
+                             factors=factors, stage_parts=args.stage_parts, **kwargs)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -225,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="devices per node, when the source does not say")
     p.add_argument("--vocab-size", type=int, metavar="N",
                    help="tokenizer vocabulary size (before Megatron's padding), when it cannot be told")
+    p.add_argument("--megatron-version", metavar="X.Y",
+                   help="apply an older Megatron-Core release's rules where they changed (default: current main)")
     p.add_argument("--json", action="store_true", help="print one JSON document (job and report)")
 
     p = add("prepare-data", cmd_prepare_data,
@@ -264,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "dp_comm)")
     p.add_argument("--prior-weight", type=float, metavar="W",
                    help="pull toward the uncalibrated model, in log step time per log factor (default 0.05)")
+    p.add_argument("--stage-parts", action="store_true",
+                   help="also fit each stage's measured compute, tp-collective, dp and optimizer times (metrics files "
+                        "with per-stage figures)")
     p.add_argument("--json", action="store_true", help="print the calibration, sensitivities and residuals as JSON")
 
     p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
@@ -311,6 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, and keep Python from reporting the closed
+        # stdout again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

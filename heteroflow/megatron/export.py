@@ -194,7 +194,8 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
         parallel += ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
     if plan.schedule != "1f1b":
         notes.append(f"Megatron runs 1F1B; the plan's {plan.schedule} schedule is not exported")
-    data = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size - 1),
+    # Current Megatron's NullTokenizer has exactly --vocab-size tokens (versions.NULL_TOKENIZER_EXACT).
+    data = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size),
             "--make-vocab-size-divisible-by", "1"]
     if t.data is not None and t.data.indexed:
         data += ["--data-path", *map(str, t.data.megatron_data_path()), "--split", t.data.split]

@@ -282,6 +282,10 @@ def _optim_key(rest: str, key: str, value, values: dict, max_steps, item, entry)
         else:
             entry(key, value, "approximated", f"heteroflow decays with a cosine, not NeMo's {value}")
     elif field == "sched.warmup_steps":
+        if isinstance(value, float) and not value.is_integer():
+            # NeMo's schedulers take fractional warmup steps; Megatron counts whole iterations.
+            entry(key, value, "approximated", f"warmup of {value:g} steps rounded to {round(value)} iterations")
+            value = round(value)
         item(key, "lr_warmup_iters", value)
     elif field == "sched.warmup_ratio":
         item(key, "lr_warmup_fraction", value)

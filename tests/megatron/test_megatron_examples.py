@@ -7,6 +7,7 @@ import pytest
 from heteroflow.config import load_job
 from heteroflow.errors import UserError
 from heteroflow.megatron import ImportOptions, MegatronRuleError, import_megatron
+from heteroflow.megatron.versions import parse_version
 from megatron_helpers import SCRIPTS, entry
 
 GPT3 = SCRIPTS / "train_gpt3_175b_distributed.sh"
@@ -93,7 +94,7 @@ def test_llama3_arrays_conditionals_and_fp8():
     m = job.model
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_kv_heads, m.head_dim) == (32, 4096, 14336, 8, 128)
     assert (m.rope_theta, m.normalization, m.activation, m.tie_embeddings) == (500000.0, "rmsnorm", "swiglu", False)
-    assert m.vocab_size == 128512  # NullTokenizer: 128256 + EOD, padded to a multiple of 128 x tp 2
+    assert m.vocab_size == 128256  # NullTokenizer: exactly --vocab-size 128256 (current Megatron), a multiple of 128 x tp 2
     assert [(s.layout.tp, s.layout.dp, s.layout.sp, s.layout.zero, s.layers) for s in job.plan.stages] == [(2, 2, True, 1, 16)] * 2
     assert [s.devices for s in job.plan.stages] == [("node-0:0-3",), ("node-0:4-7",)]
     assert job.plan.micro_batch_size == 2 and job.train.precision == "bf16"
@@ -122,7 +123,14 @@ def test_llama3_real_data_branch_reads_the_tokenizer_and_data():
 def test_llama3_tp_from_the_environment_changes_the_layout():
     result = import_megatron(LLAMA3, ImportOptions(device_type="nvidia-h100-sxm", env={"TP_SIZE": "4"}))
     assert [(s.layout.tp, s.layout.dp) for s in result.job.plan.stages] == [(4, 1), (4, 1)]
-    assert result.job.model.vocab_size == 128512  # 128257 padded to a multiple of 512
+    assert result.job.model.vocab_size == 128512  # 128256 padded to a multiple of 128 x tp 4 = 512
+
+
+def test_llama3_null_tokenizer_vocabulary_follows_the_megatron_version():
+    older = ImportOptions(device_type="nvidia-h100-sxm", megatron_version=parse_version("0.17.1"))
+    assert import_megatron(LLAMA3, older).job.model.vocab_size == 128512  # 128256 + EOD = 128257, padded to 256
+    current = ImportOptions(device_type="nvidia-h100-sxm", megatron_version=parse_version("core_v0.18.0"))
+    assert import_megatron(LLAMA3, current).job.model.vocab_size == 128256
 
 
 # -- Mixtral 8x7B --------------------------------------------------------------------------------
