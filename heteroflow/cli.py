@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("prepare-data", cmd_prepare_data,
             "tokenize text or JSONL files into Megatron's indexed format (PREFIX.bin + PREFIX.idx)")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="a .jsonl/.json file (one JSON object per line) or a text file (blank-line separated documents)")
+                   help="a .jsonl/.json file (one JSON object per line) or a text file (documents separated by "
+                        "blank lines)")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="a local Hugging Face tokenizer directory")
     p.add_argument("-o", "--output", required=True, metavar="PREFIX", help="write PREFIX.bin and PREFIX.idx")
     p.add_argument("--json-key", default="text", metavar="KEY", help="the JSON field holding the text (default text)")

@@ -75,7 +75,9 @@ def parse_data(sec: Section, problems: Problems) -> DataSpec | None:
         if sec.has("split"):
             problems.add(sec.at("split"), "applies to Megatron datasets (prefixes) only, not to a token file")
             return None
-        return None if not sec.valid else DataSpec(path=path, dtype=dtype or "uint16", shuffle=True if shuffle is None else shuffle)
+        if not sec.valid:
+            return None
+        return DataSpec(path=path, dtype=dtype or "uint16", shuffle=True if shuffle is None else shuffle)
     if path is not None:
         problems.add(sec.at("prefixes"), "set either path (a flat token file) or prefixes (Megatron datasets), "
                                          "not both")

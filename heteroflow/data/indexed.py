@@ -48,7 +48,8 @@ class IndexedDataset:
         idx, bin_ = index_path(prefix), data_path(prefix)
         for path in (idx, bin_):
             if not path.is_file():
-                raise UserError(f"{where}: {path} not found (a Megatron dataset prefix names PREFIX.bin and PREFIX.idx)")
+                raise UserError(f"{where}: {path} not found (a Megatron dataset prefix names PREFIX.bin and "
+                                "PREFIX.idx)")
         raw = idx.read_bytes()
         if len(raw) < HEADER_BYTES or raw[:len(MAGIC)] != MAGIC:
             raise UserError(f"{where}: {idx} is not a Megatron index file (no MMIDIDX header)")

@@ -98,4 +98,5 @@ def test_dtype_follows_the_vocabulary_as_megatron_chooses(tmp_path, capsys):
     assert "2 documents, 6 tokens (int32, vocabulary 70000)" in capsys.readouterr().out
     from heteroflow.data.indexed import IndexedDataset
     dataset = IndexedDataset(tmp_path / "i")
-    assert dataset.dtype == np.int32 and dataset.get(0).tolist() == [5, 69999, 7, 1] and dataset.get(1).tolist() == [3, 1]
+    assert dataset.dtype == np.int32
+    assert dataset.get(0).tolist() == [5, 69999, 7, 1] and dataset.get(1).tolist() == [3, 1]

@@ -41,7 +41,8 @@ CASES = {
         {"micro_batch_size": 4, "stages": _stages([(["gpu-0"], 18, 2, 4), (["gpu-1"], 18, 2, 4)],
                                                   recompute="selective", zero=3)}),
     "uneven first and last stages, cp 2, optimizer offload": (
-        dict(PRESETS["llama2-7b"].to_dict(), seq_length=4096), dict(TRAIN, data={"prefixes": [0.3, "data/web", 0.7, "data/code"], "split": "98,2,0"}),
+        dict(PRESETS["llama2-7b"].to_dict(), seq_length=4096),
+        dict(TRAIN, data={"prefixes": [0.3, "data/web", 0.7, "data/code"], "split": "98,2,0"}),
         {"micro_batch_size": 2, "stages": _stages([(["gpu-0:0-3"], 7, 2, 1), (["gpu-0:4-7"], 9, 2, 1),
                                                    (["gpu-1:0-3"], 9, 2, 1), (["gpu-1:4-7"], 7, 2, 1)],
                                                   cp=2, zero=2, offload={"optimizer": "cpu"})}),
