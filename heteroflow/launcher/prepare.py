@@ -118,9 +118,6 @@ def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = 
 
 def check_runnable(plan: PlanSpec) -> None:
     """Refuse what the planner prices but the runtime does not run yet."""
-    if any(stage.layout.cp != 1 for stage in plan.stages):
-        raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
-                        "use cp: 1")
     check_offload_plan(plan)
     if any(stage.layout.zero == 3 for stage in plan.stages):
         raise UserError("ZeRO-3 is priced by the planner (`heteroflow plan --all-layouts`) but not run by the "
