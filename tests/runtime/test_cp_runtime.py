@@ -21,7 +21,7 @@ PLANS = {
     "cp2-tp2": {"micro_batch_size": 4, "stages": [{"devices": ["gpu-0"], "layers": 4, "tp": 2, "cp": 2}]},
     "cp2-tp2-sp": {"micro_batch_size": 4, "stages": [
         {"devices": ["gpu-0"], "layers": 4, "tp": 2, "cp": 2, "sp": True, "recompute": "selective"}]},
-    # NVIDIA cp 2 (ZeRO-1 over dp... dp 1 here) into one Ascend device: the load-balanced chunks reassemble.
+    # NVIDIA cp 2 into one Ascend device: the load-balanced chunks reassemble.
     "cp2-to-cp1": {"micro_batch_size": 4, "stages": [
         {"devices": ["gpu-0:0-1"], "layers": 2, "cp": 2},
         {"devices": ["npu-0:0-0"], "layers": 2}]},
@@ -29,6 +29,9 @@ PLANS = {
     "tp2-to-cp2": {"micro_batch_size": 4, "stages": [
         {"devices": ["npu-0"], "layers": 2, "tp": 2},
         {"devices": ["gpu-0"], "layers": 2, "cp": 2, "dp": 2, "zero": 1, "recompute": "full"}]},
+    # optimizer state in CPU memory: the gradients are summed over cp before the tier takes them
+    "cp2-offload-optimizer": {"micro_batch_size": 4, "stages": [
+        {"devices": ["npu-0"], "layers": 4, "cp": 2, "offload": {"optimizer": "cpu"}}]},
 }
 
 
@@ -67,7 +70,7 @@ def _reference(job_data: dict, tie: bool, data_dir: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tie", [("cp2-tp2", False), ("cp2-tp2-sp", False), ("cp2-to-cp1", True),
-                                      ("tp2-to-cp2", False)])
+                                      ("tp2-to-cp2", False), ("cp2-offload-optimizer", False)])
 def test_context_parallel_plan_matches_single_process(data_dir, name, tie):
     job_data = {"cluster": CLUSTER, "model": {"preset": "micro-llama", "tie_embeddings": tie}, "train": TRAIN}
     ref_losses, ref_weights = _reference(job_data, tie, data_dir)
