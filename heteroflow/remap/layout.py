@@ -208,15 +208,13 @@ class TensorLayout:
 
     def local_slices(self, rank: int, box: Box) -> tuple[slice, ...]:
         """Where `box` (inside one of `rank`'s parts) sits in the rank's local tensor."""
-        offset = 0
+        dim, offset = self._parts_dim(), 0
         for part in self.parts(rank):
             if box_contains(part, box):
                 slices = list(box_slices(box, part))
-                dim = self._parts_dim()
-                if dim is not None:
+                if dim is not None:  # parts lie end to end along the balanced dim
                     slices[dim] = slice(slices[dim].start + offset, slices[dim].stop + offset)
                 return tuple(slices)
-            dim = self._parts_dim()
             offset += 0 if dim is None else part[dim][1] - part[dim][0]
         raise KeyError(f"{box} is not inside one of rank {rank}'s parts of {self.describe()}")
 
