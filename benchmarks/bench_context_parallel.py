@@ -85,7 +85,7 @@ def train_rank(rank: int, world_size: int, args):
     return run_worker(args)
 
 
-def measure(cp: int, *, seq: int, layers: int, steps: int, work_dir: Path) -> dict:
+def measure(cp: int, *, seq: int, layers: int, steps: int, work_dir: Path, threads: int | None) -> dict:
     from heteroflow.runtime.metrics import read_step_records
     from heteroflow.runtime.worker import WorkerArgs
     from heteroflow.stagemap import evaluate_plan
@@ -99,7 +99,8 @@ def measure(cp: int, *, seq: int, layers: int, steps: int, work_dir: Path) -> di
     hardware = job_hardware(job, None, emulate=True, num_ranks=cp)
     hw, _ = stage_hardware(job, hardware, job.plan.stages[0])
     parts = stage_costs(job.model, hw, job.plan.stages[0].layout, 1, hardware).memory_parts
-    threads = threads_per_process(os.cpu_count() or 1, cp)  # what `train --emulate` gives each rank
+    if threads is None:
+        threads = threads_per_process(os.cpu_count() or 1, cp)  # what `train --emulate` gives each rank
     saved = run_ranks(saved_activation_bytes, cp, job, timeout_s=600, threads_per_rank=threads)
     metrics = work_dir / f"cp{cp}.jsonl"
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=str(work_dir / "data"),
@@ -121,6 +122,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2,
                         help="launches per layout, in alternating order (cp 1 first, then cp 2 first, ...)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: the cores split over the ranks, as `train --emulate` "
+                             "and the planner do; 1 isolates the work per rank from intra-op threading)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "bench_context_parallel.txt"))
     opts = parser.parse_args()
     rounds: list[dict[int, dict]] = []
@@ -128,7 +132,7 @@ def main() -> None:
         for r in range(opts.rounds):  # the machine is shared: alternate the order so load drifts hit both
             order = (1, 2) if r % 2 == 0 else (2, 1)
             rounds.append({cp: measure(cp, seq=opts.seq, layers=opts.layers, steps=opts.steps,
-                                       work_dir=Path(tmp, f"round{r}")) for cp in order})
+                                       work_dir=Path(tmp, f"round{r}"), threads=opts.threads) for cp in order})
     results = {cp: {**rounds[0][cp], "step_s": statistics.median(x[cp]["step_s"] for x in rounds)} for cp in (1, 2)}
     mib = 1 << 20
     lines = [f"context parallelism: micro-llama widths, {opts.layers} layers, one sequence of {opts.seq} tokens per "
