@@ -91,7 +91,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     with torch.device("meta"):
         model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                   is_last=k == num_stages - 1)
-    parallelize_stage(model, layout=stage.layout, tp_group=groups.tp)
+    parallelize_stage(model, layout=stage.layout, tp_group=groups.tp, cp_group=groups.cp)
     # Offloaded blocks go to their tier from the host: the device never holds the whole stage.
     materialize(model, "cpu" if stage.layout.offload.params != "device" else device.torch_device)
     if init_from is not None:

@@ -130,6 +130,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
+    from heteroflow.models.context_parallel import all_reduce_cp_grads, split_sequence
 
     job, plan, train, info, groups, device = args.job, args.plan, args.job.train, rt.info, rt.groups, rt.device
     scaler = LossScaler.for_job(train, [stage.layout.compute_precision(train.precision) for stage in plan.stages])
@@ -139,7 +140,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     order = data.order
     num_micro_batches = plan.num_micro_batches(train)
     global_tokens = train.global_batch_size * job.model.seq_length
-    counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
+    counts_loss = rt.is_last and info.tp == 0  # every cp rank's loss is that of its own tokens
+    cp = rt.stage.layout.cp
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
     writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
@@ -162,7 +164,9 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             for m in range(num_micro_batches):
                 share = micro_batch_indices(indices, micro_batch_size=plan.micro_batch_size, micro_batch=m,
                                             dp=rt.stage.layout.dp, dp_rank=info.dp)
-                micro_batches.append(MicroBatch(*data.batch(share)))
+                tokens, labels = data.batch(share)
+                micro_batches.append(MicroBatch(split_sequence(tokens, cp=cp, cp_rank=info.cp),
+                                                split_sequence(labels, cp=cp, cp_rank=info.cp)))
             scale = scaler.scale if scaler is not None else 1.0
             with timing_collectives(tp_group, timer):
                 loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale,
@@ -171,12 +175,18 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             with timer.part("dp"):
                 if rt.tied_group is not None:
                     from heteroflow.models.data_parallel import sync_tied_grads
-                    sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp)
+                    # cp ranks hold partial sums too: the total lands on one rank of the stage's cp x dp replicas
+                    sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp * cp + info.cp)
+                if cp > 1:  # replicated weights saw only this rank's tokens: sum over cp, then over dp as always
+                    all_reduce_cp_grads(rt.model, groups.cp)
                 rt.optimizer.reduce_grads()
             with timer.part("optimizer"):  # the norm share is the clipping's, priced with the optimizer step
                 norm_share = rt.optimizer.grad_sq_norm_share().float().cpu()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
+            # cp ranks hold the same gradients after the cp sum: one of them counts them.
+            if info.cp != 0:
+                norm_share = norm_share * 0  # keeps a nan or inf of this rank visible to all
             totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(())])
             with timer.part("sync"):
                 dist.all_reduce(totals, group=groups.world)

@@ -13,7 +13,12 @@ Overlap assumptions:
 - Per block, traffic that a prefetching runtime hides behind that block's compute is overlapped with it
   (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, ZeRO-2
   gradient reduce-scatters (every micro-batch), parameter fetches from CPU/SSD, activation offload to
-  CPU and back, and the context-parallel K/V ring (overlapped with the attention core only).
+  CPU and back.
+- Context parallelism (`models/cp_attention.py`): each block all-gathers K/V over cp before its attention
+  in the forward, and gathers them again and reduce-scatters their gradients in the backward, exposed
+  (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
+  tail, before the dp reduction. The backward's gathered K/V (repeated to the query heads) and their
+  fp32 gradients are transient memory of one block (`context_parallel_working_bytes`).
 - The tail of a step (DP gradient reduction for ZeRO 0/1, parameter all-gather after the step for ZeRO
   1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
   pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
@@ -26,7 +31,7 @@ Overlap assumptions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from heteroflow.config.model import ModelSpec
@@ -283,12 +288,12 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
     act_bytes = tokens * model.hidden_size * act
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
-    # Context parallelism: each rank passes its K/V chunk around the ring (twice in the backward).
+    # Context parallelism: all-gather of every rank's K/V chunk in the forward; gather again and
+    # reduce-scatter their gradients in the backward.
     kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * act
-    p2p, p2p_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
-    cp_fwd = (cp - 1) * kv_chunk / (p2p * 1e9) + (cp - 1) * p2p_lat if cp > 1 else 0.0
-    attn_fwd = max(lc.attention_s, cp_fwd)
-    attn_bwd = max(lc.attention_backward_s, 2 * cp_fwd)
+    cp_fwd = all_gather_s(cp * kv_chunk, cp, intra, intra_lat)
+    attn_fwd = lc.attention_s + cp_fwd
+    attn_bwd = lc.attention_backward_s + 2 * cp_fwd
     p_layer = layer_params_per_rank(model, tp)
     # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
     emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=act)
@@ -314,8 +319,25 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
-                 memory=memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
-                                     capacity_gib=dev.memory_gib))
+                 memory=_with_cp_working(memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
+                                                      capacity_gib=dev.memory_gib),
+                                         context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
+                                                                        dtype_bytes=act)))
+
+
+def context_parallel_working_bytes(model: ModelSpec, *, tokens: float, tp: int, cp: int, dtype_bytes: int) -> float:
+    """Transient bytes of one block's cp attention backward: the whole sequence's K and V, repeated to this
+    rank's query heads, and their fp32 gradients (0 without cp)."""
+    if cp == 1:
+        return 0.0
+    heads = model.num_attention_heads // tp * model.kv_channels
+    return 2 * tokens * cp * heads * (dtype_bytes + 4)
+
+
+def _with_cp_working(parts: MemoryParts, extra: float) -> MemoryParts:
+    if not extra:
+        return parts
+    return replace(parts, working={mode: bytes_ + extra for mode, bytes_ in parts.working.items()})
 
 
 def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[float, float]:
@@ -333,6 +355,10 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     of the updated parameters)."""
     dp = layout.dp
     dp_const = dp_per_param = opt_const = opt_per_param = 0.0
+    if layout.cp > 1:  # each cp rank's gradients are those of its tokens: summed over cp first
+        cp_gb_per_s, cp_latency_s = dev.tp_link()
+        dp_per_param += 2 * (layout.cp - 1) / layout.cp * gb / (cp_gb_per_s * 1e9)
+        dp_const += 2 * (layout.cp - 1) * cp_latency_s
     if dp > 1:
         ring = (dp - 1) / dp / (dp_bw * 1e9)
         if layout.zero == 0:  # all-reduce of the gradients
