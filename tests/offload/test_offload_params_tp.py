@@ -51,19 +51,34 @@ def _job(name: str, *, swap_root: Path, train: dict | None = None):
 
 
 def _train_rank(rank: int, world_size: int, args: WorkerArgs):
-    """`run_worker`, also showing the swap directories this rank had open in its first step."""
+    """`run_worker`, also showing the swap directories this rank had open in its first step and the order
+    in which its first step prefetched and used the blocks' parameters."""
     import heteroflow.runtime.pipeline as pipeline
+    from heteroflow.offload.store import TieredStore
     from heteroflow.offload.swap import live_swap_dirs
 
-    real, seen = pipeline.run_pipeline_step, []
+    real, seen, events, steps = pipeline.run_pipeline_step, [], [], []
 
     def step(*a, **k):
         if not seen:
             seen.append([d.name for d in live_swap_dirs()])
-        return real(*a, **k)
+        steps.append(1)
+        try:
+            return real(*a, **k)
+        finally:
+            steps.append(1)
+
+    def logged(kind: str, method):
+        def call(store, name, *a, **k):
+            if len(steps) == 1 and name.startswith("block"):  # inside the first step's pipeline
+                events.append((kind, name))
+            return method(store, name, *a, **k)
+        return call
 
     pipeline.run_pipeline_step = step
-    return run_worker(args), seen[0] if seen else []
+    TieredStore.prefetch = logged("prefetch", TieredStore.prefetch)
+    TieredStore.get = logged("get", TieredStore.get)
+    return run_worker(args), seen[0] if seen else [], events
 
 
 def _run(name: str, *, data_dir: str, swap_root: Path, steps: int = STEPS, train: dict | None = None,
@@ -100,7 +115,7 @@ def runs(tmp_path_factory):
 
 def _weights(results) -> dict[str, torch.Tensor]:
     full: dict[str, torch.Tensor] = {}
-    for result, _ in results:
+    for result, *_ in results:
         for name, (local, shard) in result.state.items():
             shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
     return full
@@ -118,11 +133,11 @@ def test_params_offload_with_tp_trains_like_the_single_process_reference(runs, n
     weights = _weights(results)
     assert weights.keys() == ref_weights.keys()
     # every tp and dp rank offloaded its own blocks, and nothing is left in the swap root
-    assert all(r.offload is not None and r.offload["policy"]["params"] != "device" for r, _ in results)
+    assert all(r.offload is not None and r.offload["policy"]["params"] != "device" for r, *_ in results)
     assert left == []
     if name.startswith("ssd"):
         io = "deepspeed-aio" if deepspeed_aio_module()[0] is not None else "threads"
-        assert {r.offload["which"]["io"] for r, _ in results} == {io}
+        assert {r.offload["which"]["io"] for r, *_ in results} == {io}
 
 
 @pytest.mark.slow
@@ -143,9 +158,9 @@ def test_params_offload_with_tp_trains_bit_for_bit_like_the_same_layout_on_the_d
 @pytest.mark.slow
 def test_each_tp_rank_has_its_own_swap_directory_named_after_it(runs):
     results, _ = runs("ssd-tp2")
-    names = [dirs for _, dirs in results]
+    names = [dirs for _, dirs, _ in results]
     assert all(len(dirs) == 1 for dirs in names)
-    for tp, (dirs, (result, _)) in enumerate(zip(names, results)):
+    for tp, (dirs, (result, *_)) in enumerate(zip(names, results)):
         assert re.fullmatch(rf"heteroflow-swap-\d+-s0-dp0-cp0-tp{tp}-[0-9a-f]{{12}}", dirs[0]), dirs[0]
         assert Path(result.offload["swap_dir"]).name == dirs[0]
         assert not Path(result.offload["swap_dir"]).exists()
@@ -177,7 +192,7 @@ def test_device_bytes_of_parameters_stay_within_the_planners_window(runs, name):
     priced = memory_model(job.model, stage.layout, tokens=tokens, precision="fp32", capacity_gib=1.0)
     planned_weights = priced.weights.at(layers, 1, True, True)
     planned_grads = priced.gradients.at(layers, 1, True, True)
-    for result, _ in results:
+    for result, *_ in results:
         block_numel, resident_numel = _stage_numels(result)
         # the planner's per-rank block is this rank's tp shard of a block
         assert block_numel == layer_params_per_rank(job.model, stage.layout.tp)
@@ -188,6 +203,26 @@ def test_device_bytes_of_parameters_stay_within_the_planners_window(runs, name):
         assert peaks["grads"] <= planned_grads
         # and far below the stage's whole parameters: what keeping them on the device would take
         assert peaks["params"] < 4 * (layers * block_numel + resident_numel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2"])
+def test_every_tp_rank_prefetches_the_next_block(runs, name):
+    """Forward walks blocks 0..3 and prefetches the next one, backward walks back and prefetches the previous
+    one: every block but the first of a pass is prefetched before its first use, on every rank."""
+    results, _ = runs(name)
+    layers = MODEL["num_layers"]
+    for _, _, events in results:
+        gets, prefetched = [], set()
+        for kind, block in events:
+            if kind == "prefetch":
+                prefetched.add(block)
+                continue
+            assert len(gets) % layers == 0 or block in prefetched, (block, events)  # a pass starts unprefetched
+            prefetched.discard(block)
+            gets.append(block)
+        # one stage, 1F1B: forward then backward of each of the two micro-batches
+        assert gets == [f"block{i}" for i in [*range(layers), *reversed(range(layers))] * 2], gets
 
 
 @pytest.mark.slow
