@@ -309,3 +309,24 @@ def test_launcher_counts_each_tp_ranks_swap_files_of_its_shards():
     two = parse_job({**job.to_dict(), "plan": {"micro_batch_size": 4, "stages": [stage("host:0-1", 2)]}})
     held = 4 * 4 * layer_params_per_rank(job.model, 2)  # fp32 shards of 4 blocks on one tp rank
     assert 2 * held < swap_bytes(two, two.plan) < 1.2 * swap_bytes(one, one.plan)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_planner_prices_the_weight_write_back_of_one_tp_shard(tp):
+    """After the step each rank writes its updated shards back to the ssd tier (per parameter it holds, at the
+    node's SSD write bandwidth shared by its devices); the cpu tier updates them in host memory."""
+    from heteroflow.config import PRESETS
+    from heteroflow.config.catalog import CATALOG
+    from heteroflow.layout import OffloadSpec, ParallelLayout
+    from heteroflow.stagemap.costs import StageHardware, stage_costs
+    from heteroflow.stagemap.hardware import Hardware, device_model
+
+    model, dev = PRESETS["llama2-7b"], device_model(CATALOG["nvidia-a100-80g"], "bf16")
+    hardware = Hardware(models={}, inter_node_gb_per_s=25.0)
+    hw = StageHardware(device=dev, num_devices=tp, num_nodes=1, node_count=8)
+    cpu, ssd = (stage_costs(model, hw, ParallelLayout(tp=tp, offload=OffloadSpec(optimizer="cpu", params=tier)),
+                            1, hardware) for tier in ("cpu", "ssd"))
+    write_bw = min(dev.host_link_gb_per_s, dev.ssd_write_gb_per_s / 8) * 1e9
+    assert ssd.tail_per_param_s - cpu.tail_per_param_s == pytest.approx(2 / write_bw)  # bf16 weights
+    # per parameter of the rank: a tp rank's tail covers its shard only
+    assert ssd.params.per_layer == pytest.approx(layer_params_per_rank(model, tp))
