@@ -1,7 +1,7 @@
 """Parameter offload with tp > 1: each tp rank stores, fetches and updates its own shards.
 
 Plans with `offload.params` on cpu or ssd and tp 2 (with sp, whose norm gradients are partial over tp, and
-with dp 2 x tp 2) train like the single-process reference, and bit for bit like the same layout without
+with dp 2 x tp 2), and tp 4 beyond the kv heads (whole k/v projections with partial gradients), train like the single-process reference, and bit for bit like the same layout without
 offload (torch's AdamW kernel); every rank has its own swap directory, named
 after it; the device bytes of parameters per rank stay within the planner's figure for the stage (a window
 of two blocks' tp shards plus the resident embedding and head); a checkpoint of a params-on-ssd tp 2 stage
@@ -36,6 +36,8 @@ PLANS = {  # one stage; tp 2 on the first two devices, or dp 2 x tp 2 on all fou
     "ssd-tp2": {"devices": ["host:0-1"], "tp": 2, "recompute": "full",
                 "offload": {"optimizer": "ssd", "params": "ssd", "activations": "cpu"}},
     "cpu-dp2-tp2": {"devices": ["host"], "tp": 2, "dp": 2, "offload": {"optimizer": "cpu", "params": "cpu"}},
+    # tp 4 > 2 kv heads: every rank keeps wk / wv whole and their gradients are partial over tp
+    "cpu-tp4-kv": {"devices": ["host"], "tp": 4, "offload": {"optimizer": "cpu", "params": "cpu"}},
     "plain-dp2": {"devices": ["host:0-1"], "tp": 1, "dp": 2},
 }
 
@@ -122,7 +124,7 @@ def _weights(results) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2"])
+@pytest.mark.parametrize("name", ["cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2", "cpu-tp4-kv"])
 def test_params_offload_with_tp_trains_like_the_single_process_reference(runs, name):
     ref_losses, ref_weights = runs("reference")
     results, left = runs(name)
@@ -141,7 +143,7 @@ def test_params_offload_with_tp_trains_like_the_single_process_reference(runs, n
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2"])
+@pytest.mark.parametrize("name", ["cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2", "cpu-tp4-kv"])
 def test_params_offload_with_tp_trains_bit_for_bit_like_the_same_layout_on_the_device(runs, name):
     """The weights too: Adam turns the reference's different summation order into weight differences of
     ~1e-4 on gradients near zero, but the same tp layout without offload adds in the same order (partial
@@ -252,7 +254,7 @@ def test_params_on_ssd_tp2_checkpoint_resumes_without_offload(runs, tmp_path):
 def test_train_accepts_params_offload_with_tp():
     from heteroflow.launcher.prepare import check_runnable
 
-    for name in ("cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2"):
+    for name in ("cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2", "cpu-tp4-kv"):
         check_runnable(_job(name, swap_root=Path(".")).plan)
 
 
