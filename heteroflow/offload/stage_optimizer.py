@@ -15,7 +15,8 @@ Per stage (`StageSpec.offload`):
 
 Gradient arithmetic is the same as `DataParallelAdamW`'s: micro-batch gradients accumulated in fp32 (here
 on the host, block by block as the backward produces them), partial gradients summed over tp (those of
-offloaded blocks in their host buffers, after the last micro-batch), then summed over the stage's dp group, counted once in the global norm (tp-replicated values on tp rank 0,
+offloaded blocks in their host buffers, after the last micro-batch), then summed over the stage's dp group,
+counted once in the global norm (tp-replicated values on tp rank 0,
 dp replicas on dp rank 0, the head copy of a tied embedding on the first stage), AdamW with decay on
 matrices only (`heteroflow.optim.adamw_step` under both). In fp32 with `HETEROFLOW_CPU_ADAM=torch` a plan
 trains bit for bit as without offload; with DeepSpeedCPUAdam within 1e-6 relative.

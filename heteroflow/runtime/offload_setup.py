@@ -41,6 +41,7 @@ def offloaded_optimizer(model: StageModel, *, job: JobConfig, stage: StageSpec, 
 
 
 def swap_label(groups: ProcessGroups) -> str:
-    """`s<stage>-dp<i>-cp<k>-tp<j>`: whose swap directory it is (each rank has its own; tp ranks each store their shards)."""
+    """`s<stage>-dp<i>-cp<k>-tp<j>`: whose swap directory it is (every rank has its own, where a tp rank keeps
+    its shards)."""
     info = groups.rank_map.info(groups.rank)
     return f"s{info.stage}-dp{info.dp}-cp{info.cp}-tp{info.tp}"

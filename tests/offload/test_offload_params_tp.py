@@ -1,11 +1,12 @@
 """Parameter offload with tp > 1: each tp rank stores, fetches and updates its own shards.
 
 Plans with `offload.params` on cpu or ssd and tp 2 (with sp, whose norm gradients are partial over tp, and
-with dp 2 x tp 2), and tp 4 beyond the kv heads (whole k/v projections with partial gradients), train like the single-process reference, and bit for bit like the same layout without
-offload (torch's AdamW kernel); every rank has its own swap directory, named
-after it; the device bytes of parameters per rank stay within the planner's figure for the stage (a window
-of two blocks' tp shards plus the resident embedding and head); a checkpoint of a params-on-ssd tp 2 stage
-resumes under a plan without offload and the losses continue.
+with dp 2 x tp 2), and tp 4 beyond the kv heads (whole k/v projections with partial gradients), train like
+the single-process reference, and bit for bit like the same layout without offload (torch's AdamW kernel);
+every rank prefetches the next block and has its own swap directory, named after it; the device bytes of
+parameters per rank stay within the planner's figure for the stage (a window of two blocks' tp shards plus
+the resident embedding and head); a checkpoint of a params-on-ssd tp 2 stage resumes under a plan without
+offload and the losses continue.
 """
 
 from __future__ import annotations
