@@ -384,4 +384,6 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     if off.optimizer == "ssd":
         read_bw, write_bw = _tier_bandwidth(dev, hw, "ssd")
         opt_per_param += shard * ob * (1 / (read_bw * 1e9) + 1 / (write_bw * 1e9))
+    if off.params == "ssd":  # the step writes the updated weights (this rank's tp shards) to their swap files
+        opt_per_param += shard * wb / (_tier_bandwidth(dev, hw, "ssd")[1] * 1e9)
     return dp_const, dp_per_param, opt_const, opt_per_param
