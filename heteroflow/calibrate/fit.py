@@ -10,6 +10,9 @@ cost model itself (`evaluate_plan`), so whatever the model does with a rate, the
 "not pinned down" when the runs do not determine it: its diagonal entry of the resolution matrix
 `(J'J + w^2 I)^-1 J'J` is below `PINNED_RESOLUTION` (no sensitivity at all, or one that other factors can
 trade against, as in a rank-deficient Jacobian); it then stays near its prior.
+
+Emulated runs fit one set of factors (`emulated.gemm`, ...), written for every device type of the cluster:
+an emulated rank is a local CPU process whatever its label, so what one label's stages measured holds for all.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ PINNED_RESOLUTION = 0.5
 STEP_LOG = 1e-3
 """Finite-difference step on a log-factor."""
 MAX_ITERATIONS = 50
+EMULATED = "emulated"
+"""The name of the one set of factors of emulated runs (every device type is the local CPU there)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,15 +65,22 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
     unknown = [f for f in factors if f not in FACTORS]
     if unknown:
         raise UserError(f"--factors: unknown factor {unknown[0]!r}; choose among {', '.join(FACTORS)}")
-    device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
-    params = [(d, f) for d in device_types for f in factors]
+    if emulate:
+        # Every emulated rank is the same local CPU whatever its label: one set of factors, shared by every
+        # device type of the cluster (a label the runs did not use is still this CPU).
+        device_types = sorted({n.device for run in runs for n in run.job.cluster.nodes})
+        params = [(EMULATED, f) for f in factors]
+    else:
+        device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
+        params = [(d, f) for d in device_types for f in factors]
     measured = np.log([run.measured_step_time_s for run in runs])
     profiles = [resolve_profile(run.job, None) for run in runs]  # read once, not at every evaluation
 
     def calibration_of(theta: np.ndarray) -> Calibration:
         values: dict[str, dict[str, float]] = {d: {} for d in device_types}
         for (d, f), t in zip(params, theta):
-            values[d][f] = math.exp(t)
+            for name in device_types if d == EMULATED else (d,):
+                values[name][f] = math.exp(t)
         return Calibration(factors={d: DeviceFactors(**v) for d, v in values.items()}, num_runs=len(runs),
                            emulate=emulate)
 
