@@ -106,6 +106,8 @@ class OffloadedAdamW:
         head_copy = set(model.tied_parameter_names()) if model.is_last else set()
         self._counted: list[tuple[str, int]] = []
         rest_index = {id(p): j for j, p in enumerate(rest)}
+        self._where = {id(p): (f"block{i}", j) for i, b in enumerate(blocks) for j, p in enumerate(b.parameters())}
+        self._where.update({id(p): ("rest", j) for j, p in enumerate(rest)})
         for name, p in model.named_parameters():
             # dp replicas: every dp rank holds the same summed gradient, counted on dp rank 0 (no ZeRO here)
             if not counted_once(split_over_tp=shard_of(p).dim is not None, tp_rank=tp_rank, dp_rank=self.dp_rank,
@@ -134,8 +136,8 @@ class OffloadedAdamW:
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum partial grads over tp, take the device gradients into the optimizer tier, sum over dp."""
-        all_reduce_partial_grads(self.model, self.tp_group)
         self.offload.collect_grads()
+        all_reduce_partial_grads(self.model, self.tp_group, grad_of=self.grad_of)
         if self.dp > 1:
             for flat in self.offload.optimizer.flat_grads().values():
                 self._all_reduce(flat)
@@ -174,6 +176,20 @@ class OffloadedAdamW:
         if grad_scale != 1.0:
             self.offload.scale_grads(grad_scale)
         self.offload.step(lr)
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 gradient accumulated for `param` in the optimizer tier (a writable view)."""
+        self.offload.collect_grads()
+        group, index = self._where[id(param)]
+        self.offload.optimizer.flat_grads()  # zeros for a group no gradient has reached yet
+        return self.offload.optimizer.grad_views(group)[index]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The most device bytes the offload bookkeeping (`DeviceBudget`) has held of parameters, gradients and
+        optimizer state: resident parameters and fetched blocks, gradients on their way out, device-tier state."""
+        peaks = self.offload.budget.peak_by_kind
+        return {"params": peaks.get("params", 0), "grads": peaks.get("grads", 0),
+                "optimizer": sum(v for k, v in peaks.items() if k not in ("params", "grads"))}
 
     def zero_grad(self) -> None:
         """Drop any gradient left on the model and what the offload path took of them (all consumed after

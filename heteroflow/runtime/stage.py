@@ -100,6 +100,9 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     else:
         init_weights(model, seed=job.train.seed)
     t = job.train
+    # The parameters live in the stage's compute dtype (`heteroflow.layout.state_bytes`): the optimizer's fp32
+    # master copy starts from these rounded values, as Megatron's does.
+    model.to(_DTYPES[stage.layout.compute_precision(t.precision)])
     if offloads_state(stage):
         optimizer: StageOptimizer = offloaded_optimizer(model, job=job, stage=stage, stage_index=k, groups=groups,
                                                         device=device)

@@ -2,12 +2,15 @@
 
 Each stage is priced at its own precision (`ParallelLayout.compute_precision`): `dtype_bytes` is the size
 of its weights and activations, `state_bytes_per_param` its training state per parameter. Training state
-(mixed precision Adam, ZeRO paper accounting): bf16/fp16 weights 2 bytes and gradients 2 bytes per
-parameter, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps 4 + 4 bytes and
-8 bytes of moments. Everything is divided by tp (kv heads replicated when tp exceeds them);
-ZeRO over the stage's dp divides the optimizer state (stage >= 1), gradients (>= 2) and weights (3, plus a
-prefetch buffer of two gathered layers). Offloading the optimizer removes its state from the device;
-offloading parameters leaves a window of two layers of weights and of gradients on the device.
+is what the runtime allocates, `heteroflow.layout.state_bytes` (Megatron's layout): bf16/fp16 weights 2 bytes,
+an fp32 gradient buffer 4 bytes, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps
+4 + 4 bytes and 8 bytes of moments (the weights are the master). Everything is divided by tp (kv heads
+replicated when tp exceeds them); ZeRO over the stage's dp divides the optimizer state (stage >= 1,
+`optimizer_shards`), and with stage 3 gradients and weights (plus a prefetch buffer of two gathered layers);
+ZeRO 2 keeps the whole gradient buffer, as ZeRO 1 (it accumulates the micro-batches before the dp
+reduce-scatter). Offloading the optimizer removes its state and the
+gradient buffer from the device (each gradient leaves for the host as autograd produces it); offloading
+parameters leaves a window of two layers of weights and of their `.grad` on the device.
 
 Activations stored per block and micro-batch, on one device holding `t` tokens (with flash attention,
 no dropout; h_e = h / tp with sequence parallelism, else h; q and kv the local query and key/value widths):
@@ -32,6 +35,7 @@ from heteroflow.config.model import ModelSpec
 from heteroflow.layout import ParallelLayout
 from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
                                       layer_params_per_rank)
+from heteroflow.layout.state import optimizer_shards, state_bytes
 
 GIB = float(1 << 30)
 RESERVE_GIB = 1.0
@@ -49,11 +53,10 @@ def dtype_bytes(precision: str) -> int:
 
 
 def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter of a stage computing in `precision`: weights and
-    gradients in that precision; the optimizer keeps fp32 Adam moments, plus an fp32 master copy of the
-    weights when they are 16-bit."""
-    size = dtype_bytes(precision)
-    return size, size, 8 if size == 4 else 12
+    """(weight, gradient, optimizer) bytes per parameter of a stage computing in `precision`: the runtime's
+    layout, `heteroflow.layout.state_bytes` (16-bit weights, fp32 gradient buffer, fp32 master and moments)."""
+    state = state_bytes(precision)
+    return state.weights, state.grads, state.optimizer
 
 
 class Affine(NamedTuple):
@@ -161,9 +164,9 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
         k = per_param / div
         return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
 
+    gradients = _gradients(parts, layout)
     if off.params != "device":
         weights = Affine(w0 * parts.wb, 0.0, 0.0, w1 * parts.wb, w2 * parts.wb, 0.0)
-        gradients = Affine(w0 * parts.gb, 0.0, 0.0, w1 * parts.gb, w2 * parts.gb, 0.0)
     else:
         if zero >= 3:
             k = parts.wb / dp
@@ -171,8 +174,7 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
                              tied * k)
         else:
             weights = state(parts.wb, 1)
-        gradients = state(parts.gb, dp if zero >= 2 else 1)
-    optimizer = _ZERO if off.optimizer != "device" else state(parts.ob, dp if zero >= 1 else 1)
+    optimizer = _ZERO if off.optimizer != "device" else state(parts.ob, optimizer_shards(zero, dp))
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
         activations = Affine(2 * stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -186,6 +188,21 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
 _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
+def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
+    """Gradient bytes on the device. With the optimizer on the device, its fp32 buffer (`parts.gb` per
+    parameter; divided over dp only by ZeRO 3). With the optimizer offloaded, each gradient leaves for the host
+    as soon as autograd has it, so nothing stays. Offloaded parameters add the `.grad` (parameter dtype) of the
+    two fetched blocks."""
+    p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
+    out = _ZERO
+    if layout.offload.optimizer == "device":
+        k = parts.gb / (layout.dp if layout.zero >= 3 else 1)
+        out = Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
+    if layout.offload.params != "device":
+        out = out._replace(const=out.const + 2 * p_layer * parts.wb)
+    return out
+
+
 def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
     a test checks both agree)."""
@@ -193,24 +210,25 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
     const = parts.reserve
-    per_layer = first = last = both = 0.0
+    grads = _gradients(parts, layout)
+    const += grads.const
+    per_layer, first, last, both = grads.per_layer, grads.first, grads.last, grads.both
     if off.params != "device":
-        const += w0 * (parts.wb + parts.gb)
-        first += w1 * (parts.wb + parts.gb)
-        last += w2 * (parts.wb + parts.gb)
+        const += w0 * parts.wb
+        first += w1 * parts.wb
+        last += w2 * parts.wb
     else:
         k = parts.wb / dp if zero >= 3 else parts.wb
         if zero >= 3:
             const += w0 * parts.wb
             first += w1 * parts.wb
             last += w2 * parts.wb
-        k += parts.gb / (dp if zero >= 2 else 1)
         per_layer += p_layer * k
         first += p_embed * k
         last += p_head * k
         both += tied * k
     if off.optimizer == "device":
-        k = parts.ob / (dp if zero >= 1 else 1)
+        k = parts.ob / optimizer_shards(zero, dp)
         per_layer += p_layer * k
         first += p_embed * k
         last += p_head * k
