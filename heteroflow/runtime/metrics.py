@@ -75,6 +75,8 @@ class StepRecord:
     """The loss scale this step's loss was multiplied by (runs with loss scaling only)."""
     skipped: bool | None = None
     """Whether the step was skipped for an inf or nan gradient (runs with loss scaling only)."""
+    memory: dict | None = None
+    """Every rank's measured bytes next to the planner's figure (`heteroflow.runtime.memory.memory_record`)."""
 
     def to_json(self) -> str:
         """One JSONL line (strict JSON: a non-finite figure is written as null)."""

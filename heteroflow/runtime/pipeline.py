@@ -75,8 +75,9 @@ class _Recvs:
 
 
 def activation_context(rt: StageRuntime) -> contextlib.AbstractContextManager:
-    """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier."""
-    return tier_context(rt.stage.layout.offload.activations, rt.device)
+    """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier, and the
+    rank's meter counts those that stay on the device."""
+    return rt.meter.context(tier_context(rt.stage.layout.offload.activations, rt.device))
 
 
 def receives_ahead(boundary: StageBoundary) -> bool:

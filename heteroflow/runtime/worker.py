@@ -14,6 +14,7 @@ from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
 from heteroflow.optim.loss_scale import LossScaler
 from heteroflow.runtime.grad_faults import inject_grad_fault
+from heteroflow.runtime.memory import gather_measured, measured_memory, memory_record, reset_measurement
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
@@ -140,6 +141,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
     progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
+    stage_of_rank = [k for k, stage in enumerate(plan.stages) for _ in range(stage.num_devices)]  # RankMap's order
     where = f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}"
     # Every rank's step and heartbeat in the store: a rank waiting past the limit names those it waits for.
     watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank, where=where,
@@ -147,6 +149,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     try:
         for step in range(first_step, args.steps):
             watchdog.begin(step)
+            reset_measurement(rt.meter, device)
             started = time.perf_counter()
             indices = order.global_batch(step)
             micro_batches = []
@@ -185,12 +188,14 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             device.synchronize()
             step_time = time.perf_counter() - started
             losses.append(loss)
+            measured = gather_measured(measured_memory(rt.optimizer, rt.meter, device), groups.world)
             if rank == 0:
                 record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
                                     step_time_s=step_time, lr=lr, grad_norm=grad_norm,
                                     predicted_step_time_s=args.predicted_step_time_s,
                                     loss_scale=scale if scaler is not None else None,
-                                    skipped=skipped if scaler is not None else None)
+                                    skipped=skipped if scaler is not None else None,
+                                    memory=memory_record(job, plan, measured, stage_of_rank))
                 writer.write(record)
                 if progress is not None:
                     progress.update(record)

@@ -12,15 +12,16 @@ reduce-scatter). Offloading the optimizer removes its state and the
 gradient buffer from the device (each gradient leaves for the host as autograd produces it); offloading
 parameters leaves a window of two layers of weights and of their `.grad` on the device.
 
-Activations stored per block and micro-batch, on one device holding `t` tokens (with flash attention,
-no dropout; h_e = h / tp with sequence parallelism, else h; q and kv the local query and key/value widths):
-- no recompute: t * (4 h_e + 2 q + 2 kv + 3 f/tp) elements (norm inputs and outputs, Q, K, V, attention
-  output, SwiGLU gate, up and product) + 4 bytes per local head and token (softmax statistics);
-- selective (attention core and activation function recomputed): t * (4 h_e + q + 2 kv + 2 f/tp);
-- full (each block recomputed from its input): t * h_e, plus one block's full activations while it runs.
+Activations stored per block and micro-batch, on one device: what the runtime's block saves for backward
+(`activation_bytes`, checked against the runtime's meter by `benchmarks/bench_memory.py`): per token the two
+RMSNorms' fp32 inputs, normalized values and outputs, Q, K, V, the attention output, K and V repeated to the
+query heads, the fp32 log-sum-exp per head, SwiGLU's gate, up, activated gate and product, plus the rope
+tables; selective recompute (attention core) drops the repeated K, V and the log-sum-exp, which come back
+while the core is recomputed; full keeps the block input, plus one block's full activations while it runs.
 Micro-batches in flight per stage: 1F1B keeps min(p - k, m) for stage k (p stages, m micro-batches),
 GPipe all m. Activations offloaded to the CPU leave a window of two blocks of one micro-batch.
-The last stage also holds the logits of one micro-batch (bf16 logits + fp32 gradient, 6 bytes per logit).
+The last stage also holds its final norm's activations and the logits of one micro-batch (fp32 log-probabilities
+kept for backward and the logits' gradient, 6 bytes per logit).
 Reserve: RESERVE_GIB for the runtime context and communicator buffers plus RESERVE_FRACTION of the
 capacity for allocator fragmentation.
 """
@@ -32,7 +33,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from heteroflow.config.model import ModelSpec
-from heteroflow.layout import ParallelLayout
+from heteroflow.layout import ParallelLayout, in_flight
 from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
                                       layer_params_per_rank)
 from heteroflow.layout.state import optimizer_shards, state_bytes
@@ -98,18 +99,42 @@ class MemoryModel:
         return Affine(*map(sum, zip(*parts)))
 
 
+def norm_bytes(model: ModelSpec, *, tokens: float, width: float, dtype_bytes: int) -> float:
+    """Saved activations of one normalization over `tokens` tokens of `width` values: its input in fp32 (the
+    RMSNorm computes in fp32; an fp32 input is kept as is), the normalized values and the output in the
+    compute dtype, and the fp32 inverse root (one per token)."""
+    return tokens * (4 * width + 2 * dtype_bytes * width + 4)
+
+
+def attention_core_bytes(model: ModelSpec, *, tokens: float, tp: int, dtype_bytes: int) -> float:
+    """What the attention core keeps for backward and selective recompute drops: key and value repeated to the
+    query heads (grouped-query attention), and the fp32 log-sum-exp per local head and token."""
+    d = model.kv_channels
+    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
+    repeated = 2 * q if q > kv else 0
+    return tokens * (dtype_bytes * repeated + 4 * (q // d))
+
+
 def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, recompute: str, dtype_bytes: int) -> float:
-    """Stored activations of one block for one micro-batch on one device."""
+    """Stored activations of one block for one micro-batch on one device, as the runtime's block saves them.
+
+    Two norms (`norm_bytes`, over h / tp values per token under sp); Q after rope, K, V and the attention output;
+    the attention core's own (`attention_core_bytes`: repeated K and V, log-sum-exp); the rope tables; SwiGLU's
+    gate, up, activated gate and product (a plain MLP: its input to the activation and the activation's output).
+    Selective recompute drops the core's; full keeps only the block input."""
     h, d = model.hidden_size, model.kv_channels
     h_e = h / tp if sp else h
-    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
-    f_loc = model.ffn_hidden_size / tp
-    up = 2 if model.activation == "swiglu" else 1
     if recompute == "full":
         return tokens * h_e * dtype_bytes
+    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
+    f_loc = model.ffn_hidden_size / tp
+    mlp = (4 if model.activation == "swiglu" else 2) * f_loc
+    rope = 2 * model.seq_length * d * dtype_bytes if model.position_embedding == "rope" else 0.0
+    outside_core = (2 * norm_bytes(model, tokens=tokens, width=h_e, dtype_bytes=dtype_bytes)
+                    + tokens * dtype_bytes * (2 * q + 2 * kv + mlp) + rope)
     if recompute == "selective":
-        return tokens * dtype_bytes * (4 * h_e + q + 2 * kv + up * f_loc)
-    return tokens * dtype_bytes * (4 * h_e + 2 * q + 2 * kv + (up + 1) * f_loc) + tokens * 4 * (q // d)
+        return outside_core
+    return outside_core + attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +165,12 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
     stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
               for rc in ("none", "selective", "full")}
     working = {"none": 0.0, "full": stored["none"],
-               "selective": tokens * act * (model.num_attention_heads // tp * model.kv_channels
-                                           + model.ffn_hidden_size / tp)}
+               "selective": attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=act)}
+    # The last stage's head: the final norm's saved activations and the logits of one micro-batch.
+    head = (norm_bytes(model, tokens=tokens, width=model.hidden_size / tp if sp else model.hidden_size,
+                       dtype_bytes=act) + tokens * model.vocab_size / tp * LOGIT_BYTES)
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
-                       logits=tokens * model.vocab_size / tp * LOGIT_BYTES,
+                       logits=head,
                        reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob)
 
 
@@ -249,3 +276,18 @@ def _params(model: ModelSpec, tp: int) -> tuple[float, float, float, float]:
     tied = -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0
     return (layer_params_per_rank(model, tp), embedding_params_per_rank(model, tp),
             head_params_per_rank(model, tp, single_stage=False), tied)
+
+
+def stage_memory_bytes(model: ModelSpec, layout: ParallelLayout, *, precision: str, micro_batch_size: int,
+                       schedule: str, num_stages: int, stage: int, num_micro_batches: int,
+                       layers: int) -> dict[str, float]:
+    """One device's bytes of plan stage `stage` by component, the fixed reserve left out: `params`, `grads`,
+    `optimizer`, `activations` (micro-batches in flight included) and `transient` (the last stage's logits).
+    The runtime records these next to what it measures."""
+    tokens = micro_batch_size / layout.dp * model.seq_length / layout.cp
+    memory = memory_model(model, layout, tokens=tokens, precision=precision, capacity_gib=0.0)
+    f = in_flight(schedule, num_stages, stage, num_micro_batches)
+    gib = memory.components(layers, f, stage == 0, stage == num_stages - 1)
+    names = {"weights": "params", "gradients": "grads", "optimizer": "optimizer", "activations": "activations",
+             "transient": "transient"}
+    return {ours: gib[theirs] * GIB for theirs, ours in names.items()}
