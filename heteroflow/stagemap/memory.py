@@ -10,16 +10,18 @@ replicated when tp exceeds them); ZeRO over the stage's dp divides the optimizer
 ZeRO 2 keeps the whole gradient buffer, as ZeRO 1 (it accumulates the micro-batches before the dp
 reduce-scatter). Offloading the optimizer removes its state and the
 gradient buffer from the device (each gradient leaves for the host as autograd produces it); offloading
-parameters leaves a window of two layers of weights and of their `.grad` on the device.
+parameters leaves a window of two layers of weights (one in use, one prefetched) and one layer's `.grad`.
 
 Activations stored per block and micro-batch, on one device: what the runtime's block saves for backward
 (`activation_bytes`, checked against the runtime's meter by `benchmarks/bench_memory.py`): per token the two
-RMSNorms' fp32 inputs, normalized values and outputs, Q, K, V, the attention output, K and V repeated to the
+RMSNorms' fp32 inputs, normalized values and outputs (under sp each column-parallel layer keeps its own
+gathered copy of its input), Q, K, V, the attention output, K and V repeated to the
 query heads, the fp32 log-sum-exp per head, SwiGLU's gate, up, activated gate and product, plus the rope
 tables; selective recompute (attention core) drops the repeated K, V and the log-sum-exp, which come back
 while the core is recomputed; full keeps the block input, plus one block's full activations while it runs.
 Micro-batches in flight per stage: 1F1B keeps min(p - k, m) for stage k (p stages, m micro-batches),
-GPipe all m. Activations offloaded to the CPU leave a window of two blocks of one micro-batch.
+GPipe all m. Activations offloaded to the CPU leave a window of one block of one micro-batch (the tier copies each
+saved tensor out as it is saved and back when backward needs it, without prefetching).
 The last stage also holds its final norm's activations and the logits of one micro-batch (fp32 log-probabilities
 kept for backward and the logits' gradient, 6 bytes per logit).
 Reserve: RESERVE_GIB for the runtime context and communicator buffers plus RESERVE_FRACTION of the
@@ -99,11 +101,15 @@ class MemoryModel:
         return Affine(*map(sum, zip(*parts)))
 
 
-def norm_bytes(model: ModelSpec, *, tokens: float, width: float, dtype_bytes: int) -> float:
-    """Saved activations of one normalization over `tokens` tokens of `width` values: its input in fp32 (the
-    RMSNorm computes in fp32; an fp32 input is kept as is), the normalized values and the output in the
-    compute dtype, and the fp32 inverse root (one per token)."""
-    return tokens * (4 * width + 2 * dtype_bytes * width + 4)
+def norm_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, consumers: int, dtype_bytes: int) -> float:
+    """Saved activations of one normalization and its output over `tokens` tokens of one micro-batch: its input
+    in fp32 (the RMSNorm computes in fp32; an fp32 input is kept as is), the normalized values and the fp32
+    inverse root per token, on the tokens this device holds (1/tp of them under sp), and the output kept by
+    the layers that read it: once, or under sp once per column-parallel layer (`consumers`), each of which
+    all-gathers the sequence and keeps its own gathered copy."""
+    h = model.hidden_size
+    local = tokens / tp if sp else tokens
+    return local * (4 * h + dtype_bytes * h + 4) + tokens * dtype_bytes * h * (consumers if sp else 1)
 
 
 def attention_core_bytes(model: ModelSpec, *, tokens: float, tp: int, dtype_bytes: int) -> float:
@@ -128,10 +134,12 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
         return tokens * h_e * dtype_bytes
     q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
     f_loc = model.ffn_hidden_size / tp
-    mlp = (4 if model.activation == "swiglu" else 2) * f_loc
+    swiglu = model.activation == "swiglu"
+    mlp = (4 if swiglu else 2) * f_loc
     rope = 2 * model.seq_length * d * dtype_bytes if model.position_embedding == "rope" else 0.0
-    outside_core = (2 * norm_bytes(model, tokens=tokens, width=h_e, dtype_bytes=dtype_bytes)
-                    + tokens * dtype_bytes * (2 * q + 2 * kv + mlp) + rope)
+    norms = (norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=3, dtype_bytes=dtype_bytes)  # wq, wk, wv
+             + norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=2 if swiglu else 1, dtype_bytes=dtype_bytes))
+    outside_core = norms + tokens * dtype_bytes * (2 * q + 2 * kv + mlp) + rope
     if recompute == "selective":
         return outside_core
     return outside_core + attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes)
@@ -167,8 +175,8 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
     working = {"none": 0.0, "full": stored["none"],
                "selective": attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=act)}
     # The last stage's head: the final norm's saved activations and the logits of one micro-batch.
-    head = (norm_bytes(model, tokens=tokens, width=model.hidden_size / tp if sp else model.hidden_size,
-                       dtype_bytes=act) + tokens * model.vocab_size / tp * LOGIT_BYTES)
+    head = (norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=1, dtype_bytes=act)
+            + tokens * model.vocab_size / tp * LOGIT_BYTES)
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
                        logits=head,
                        reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob)
@@ -192,8 +200,8 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
         return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
 
     gradients = _gradients(parts, layout)
-    if off.params != "device":
-        weights = Affine(w0 * parts.wb, 0.0, 0.0, w1 * parts.wb, w2 * parts.wb, 0.0)
+    if off.params != "device":  # the window of fetched blocks; embedding, final norm and head stay resident
+        weights = Affine(w0 * parts.wb, 0.0, 0.0, p_embed * parts.wb, p_head * parts.wb, tied * parts.wb)
     else:
         if zero >= 3:
             k = parts.wb / dp
@@ -204,7 +212,7 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
     optimizer = _ZERO if off.optimizer != "device" else state(parts.ob, optimizer_shards(zero, dp))
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
-        activations = Affine(2 * stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
+        activations = Affine(stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
     else:
         activations = Affine(working, 0.0, stored, 0.0, 0.0, 0.0)
     return MemoryModel(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations,
@@ -219,14 +227,14 @@ def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """Gradient bytes on the device. With the optimizer on the device, its fp32 buffer (`parts.gb` per
     parameter; divided over dp only by ZeRO 3). With the optimizer offloaded, each gradient leaves for the host
     as soon as autograd has it, so nothing stays. Offloaded parameters add the `.grad` (parameter dtype) of the
-    two fetched blocks."""
+    block whose backward runs (handed to the optimizer tier once the block's last gradient is in)."""
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     out = _ZERO
     if layout.offload.optimizer == "device":
         k = parts.gb / (layout.dp if layout.zero >= 3 else 1)
         out = Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
     if layout.offload.params != "device":
-        out = out._replace(const=out.const + 2 * p_layer * parts.wb)
+        out = out._replace(const=out.const + p_layer * parts.wb)
     return out
 
 
@@ -242,8 +250,9 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     per_layer, first, last, both = grads.per_layer, grads.first, grads.last, grads.both
     if off.params != "device":
         const += w0 * parts.wb
-        first += w1 * parts.wb
-        last += w2 * parts.wb
+        first += p_embed * parts.wb
+        last += p_head * parts.wb
+        both += tied * parts.wb
     else:
         k = parts.wb / dp if zero >= 3 else parts.wb
         if zero >= 3:
@@ -263,7 +272,7 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     in_flight = 0.0
     if off.activations != "device":
-        const += 2 * stored + working
+        const += stored + working
     else:
         const += working
         in_flight = stored

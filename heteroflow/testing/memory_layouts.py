@@ -41,6 +41,25 @@ LAYOUTS: dict[str, dict] = {
 """Name -> plan: tp, sp, dp, ZeRO 1 and 2, full and selective recompute, and each offload tier."""
 
 
+def unseen_on_cpu(job, plan, stage: int) -> float:
+    """Bytes of plan stage `stage`'s planned peak that exist on a device but that CPU emulation cannot count:
+    a recomputed block's tensors (saved under the checkpoint's own hooks, never ours), the CPU activation
+    tier's window (tensors back on the device only inside backward), and offloaded parameters' prefetched block
+    (in emulation the host tier is the device: blocks are used in place, never copied ahead)."""
+    from heteroflow.stagemap.memory import memory_parts
+
+    layout = plan.stages[stage].layout
+    tokens = plan.micro_batch_size / layout.dp * job.model.seq_length / layout.cp
+    parts = memory_parts(job.model, tp=layout.tp, sp=layout.sp, tokens=tokens,
+                         precision=layout.compute_precision(job.train.precision), capacity_gib=0.0)
+    unseen = parts.working[layout.recompute]
+    if layout.offload.activations != "device":  # the last stage's head too: its saved tensors went to the host
+        unseen += parts.stored[layout.recompute] + (parts.logits if stage == len(plan.stages) - 1 else 0.0)
+    if layout.offload.params != "device":
+        unseen += parts.p_layer * parts.wb
+    return unseen
+
+
 @dataclass(frozen=True, slots=True)
 class RankMemory:
     """One rank of one layout: measured and planned bytes by component."""
@@ -50,11 +69,18 @@ class RankMemory:
     stage: int
     measured: dict
     planned: dict
+    unseen: float
+    """Of the planned peak, what exists on a device but CPU emulation cannot count (`unseen_on_cpu`)."""
 
     @property
     def ratio(self) -> float:
         """Measured peak over the planner's figure (reserve left out)."""
         return self.measured["peak"] / self.planned["peak"]
+
+    @property
+    def seen_ratio(self) -> float:
+        """Measured peak over the planner's figure less what the CPU cannot see."""
+        return self.measured["peak"] / (self.planned["peak"] - self.unseen)
 
 
 def _run_layouts(rank: int, world_size: int, names: list[str], work_dir: str) -> list[RankMemory]:
@@ -72,7 +98,8 @@ def _run_layouts(rank: int, world_size: int, names: list[str], work_dir: str) ->
         run_worker(args)
         if rank == 0:
             last = read_step_records(metrics)[-1]["memory"]["ranks"]
-            rows += [RankMemory(name, r["rank"], r["stage"], r["measured"], r["planned"]) for r in last]
+            rows += [RankMemory(name, r["rank"], r["stage"], r["measured"], r["planned"],
+                                unseen_on_cpu(job, job.plan, r["stage"])) for r in last]
     return rows
 
 
