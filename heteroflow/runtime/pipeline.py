@@ -75,9 +75,8 @@ class _Recvs:
 
 
 def activation_context(rt: StageRuntime) -> contextlib.AbstractContextManager:
-    """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier, and the
-    rank's meter counts those that stay on the device."""
-    return rt.meter.context(tier_context(rt.stage.layout.offload.activations, rt.device))
+    """Wrap the stage's forward: its saved activations go to the plan's `offload.activations` tier."""
+    return tier_context(rt.stage.layout.offload.activations, rt.device)
 
 
 def receives_ahead(boundary: StageBoundary) -> bool:
@@ -117,7 +116,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                 # The previous stage sent in its precision; this stage computes (and sends back) in its own.
                 x = activations.take().to(rt.activation_dtype).requires_grad_()
             inputs[m] = x
-            with autocast, activation_context(rt):
+            # The rank's meter counts what the tier leaves on the device (the step record's `memory`).
+            with autocast, rt.meter.context(activation_context(rt)):
                 if rt.is_last:
                     out = rt.model(x, labels=micro_batches[m].labels.to(rt.device.torch_device))
                     loss_sum += out.detach().float().cpu()
