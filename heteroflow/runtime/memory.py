@@ -49,6 +49,12 @@ class SavedActivationMeter:
         self.peak_bytes = 0
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [saved references, bytes]
 
+    def exclude_parameters(self, model: nn.Module) -> None:
+        """Count `model`'s parameter storages as parameters, never as activations (autograd saves views of them)."""
+        for p in model.parameters():
+            if p.numel():
+                self._refs.setdefault(p.untyped_storage().data_ptr(), [1 << 60, 0])  # pinned: never reaches zero
+
     def reset_peak(self) -> None:
         """Start a new peak from the bytes held now."""
         self.peak_bytes = self.live_bytes
@@ -89,13 +95,6 @@ class SavedActivationMeter:
         # Offloaded parameters put their parameter-view hook on top of ours (see `heteroflow.offload.params`).
         pack.chains_param_views = getattr(inner_pack, "chains_param_views", True)
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
-def excluding_parameters(model: nn.Module, meter: SavedActivationMeter) -> None:
-    """Count the model's parameter storages as parameters, never as activations (views saved by autograd)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
-    for key in params:
-        meter._refs.setdefault(key, [1 << 60, 0])  # never reaches zero: pinned as 'already counted'
 
 
 def measured_memory(optimizer, meter: SavedActivationMeter, device: Device) -> dict[str, int]:

@@ -17,7 +17,7 @@ from heteroflow.models.llama import StageModel, build_stage_model
 from heteroflow.models.parallelize import parallelize_stage
 from heteroflow.offload.stage_optimizer import OffloadedAdamW, offloads_state
 from heteroflow.optim import StageOptimizer
-from heteroflow.runtime.memory import SavedActivationMeter, excluding_parameters
+from heteroflow.runtime.memory import SavedActivationMeter
 from heteroflow.runtime.offload_setup import offloaded_optimizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -136,6 +136,6 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
             optimizer.close()
         raise
     meter = SavedActivationMeter(device.torch_device)
-    excluding_parameters(model, meter)
+    meter.exclude_parameters(model)
     return StageRuntime(job=job, plan=plan, info=info, stage=stage, device=device, groups=groups, model=model,
                         optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group, meter=meter)

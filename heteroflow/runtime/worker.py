@@ -163,7 +163,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                 from heteroflow.models.data_parallel import sync_tied_grads
                 sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp,
                                 grad_of=rt.optimizer.grad_of)
-            inject_grad_fault(rt.model, rank, step)
+            inject_grad_fault(rt.model, rank, step, rt.optimizer.grad_of)
             rt.optimizer.reduce_grads()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
