@@ -103,6 +103,8 @@ class OffloadedAdamW:
         head_copy = set(model.tied_parameter_names()) if model.is_last else set()
         self._counted: list[tuple[str, int]] = []
         rest_index = {id(p): j for j, p in enumerate(rest)}
+        self._where = {id(p): (f"block{i}", j) for i, b in enumerate(blocks) for j, p in enumerate(b.parameters())}
+        self._where.update({id(p): ("rest", j) for j, p in enumerate(rest)})
         for name, p in model.named_parameters():
             # dp replicas: every dp rank holds the same summed gradient, counted on dp rank 0 (no ZeRO here)
             if not counted_once(split_over_tp=shard_of(p).dim is not None, tp_rank=tp_rank, dp_rank=self.dp_rank,
@@ -110,11 +112,6 @@ class OffloadedAdamW:
                 continue
             self._counted.append((f"block{in_block[id(p)][0]}", in_block[id(p)][1]) if id(p) in in_block
                                  else ("rest", rest_index[id(p)]))
-        # Partial-over-tp gradients of offloaded blocks leave the device during the backward, so they are
-        # summed over tp in their host buffers (resident ones on the model, by all_reduce_partial_grads).
-        self._partial_offloaded = [] if policy.params == "device" or self.tp_group is None else [
-            (f"block{i}", j) for i, block in enumerate(blocks) for j, p in enumerate(block.parameters())
-            if shard_of(p).partial_grad]
         self.offload = StageOffload(policy, device=device, blocks=blocks, other_params={"rest": rest} if rest else {},
                                     betas=betas, eps=eps, weight_decay=weight_decay, checkpoint_dirs=checkpoint_dirs,
                                     decays=lambda p: p.dim() >= 2, swap_label=swap_label)
@@ -136,23 +133,11 @@ class OffloadedAdamW:
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum partial grads over tp, take the device gradients into the optimizer tier, sum over dp."""
-        all_reduce_partial_grads(self.model, self.tp_group)
         self.offload.collect_grads()
-        if self._partial_offloaded:
-            self._sum_offloaded_partial_grads()
+        all_reduce_partial_grads(self.model, self.tp_group, grad_of=self.grad_of)
         if self.dp > 1:
             for flat in self.offload.optimizer.flat_grads().values():
                 self._all_reduce(flat, self.dp_group)
-
-    def _sum_offloaded_partial_grads(self) -> None:
-        """Sum over tp the partial gradients of offloaded blocks, accumulated over the step's micro-batches."""
-        optimizer = self.offload.optimizer
-        optimizer.flat_grads()  # a block without gradients this step reads as zeros
-        views = [optimizer.grad_views(group)[j] for group, j in self._partial_offloaded]
-        flat = torch.cat([v.reshape(-1) for v in views])
-        self._all_reduce(flat, self.tp_group)
-        for view, part in zip(views, flat.split([v.numel() for v in views])):
-            view.copy_(part.view_as(view))
 
     def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """Sum `flat` over `group`; host buffers go through the device when the backend needs it."""
@@ -188,6 +173,20 @@ class OffloadedAdamW:
         if grad_scale != 1.0:
             self.offload.scale_grads(grad_scale)
         self.offload.step(lr)
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 gradient accumulated for `param` in the optimizer tier (a writable view)."""
+        self.offload.collect_grads()
+        group, index = self._where[id(param)]
+        self.offload.optimizer.flat_grads()  # zeros for a group no gradient has reached yet
+        return self.offload.optimizer.grad_views(group)[index]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The most device bytes the offload bookkeeping (`DeviceBudget`) has held of parameters, gradients and
+        optimizer state: resident parameters and fetched blocks, gradients on their way out, device-tier state."""
+        peaks = self.offload.budget.peak_by_kind
+        return {"params": peaks.get("params", 0), "grads": peaks.get("grads", 0),
+                "optimizer": sum(v for k, v in peaks.items() if k not in ("params", "grads"))}
 
     def zero_grad(self) -> None:
         """Drop any gradient left on the model and what the offload path took of them (all consumed after
