@@ -122,9 +122,6 @@ def check_runnable(plan: PlanSpec) -> None:
         raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
                         "use cp: 1")
     check_offload_plan(plan)
-    if any(stage.layout.zero == 3 for stage in plan.stages):
-        raise UserError("ZeRO-3 is priced by the planner (`heteroflow plan --all-layouts`) but not run by the "
-                        "runtime yet; use zero: 0, 1 or 2, or let `heteroflow plan` (without --all-layouts) choose")
 
 
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:

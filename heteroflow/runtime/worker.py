@@ -156,9 +156,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                 micro_batches.append(MicroBatch(*data.batch(share)))
             scale = scaler.scale if scaler is not None else 1.0
             loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale)
-            if rt.tied_group is not None:
-                from heteroflow.models.data_parallel import sync_tied_grads
-                sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp)
+            rt.sync_tied_grads()
             inject_grad_fault(rt.model, rank, step)
             rt.optimizer.reduce_grads()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
