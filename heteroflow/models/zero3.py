@@ -70,17 +70,20 @@ def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: 
 
 
 def gathered_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters FSDP2 holds gathered (unsharded) right now, over every unit of `model`."""
+    """Bytes FSDP2 holds gathered right now over every unit of `model`: the unsharded parameters of the units
+    in use, and the all-gather buffers of prefetched units not yet copied out."""
     total = 0
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         group = module._get_fsdp_state()._fsdp_param_group  # private: FSDP2 exposes no census of its buffers
-        if group is None or not group.is_unsharded:
+        if group is None:
             continue
-        for fsdp_param in group.fsdp_params:
-            unsharded = fsdp_param.unsharded_param
-            total += unsharded.numel() * unsharded.element_size()
+        if group.is_unsharded:
+            total += sum(p.unsharded_param.numel() * p.unsharded_param.element_size() for p in group.fsdp_params)
+        elif group._all_gather_result is not None:
+            buffer = group._all_gather_result.all_gather_output
+            total += buffer.numel() * buffer.element_size()
     return total
 
 

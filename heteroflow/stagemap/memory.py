@@ -5,8 +5,12 @@ of its weights and activations, `state_bytes_per_param` its training state per p
 (mixed precision Adam, ZeRO paper accounting): bf16/fp16 weights 2 bytes and gradients 2 bytes per
 parameter, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps 4 + 4 bytes and
 8 bytes of moments. Everything is divided by tp (kv heads replicated when tp exceeds them);
-ZeRO over the stage's dp divides the optimizer state (stage >= 1), gradients (>= 2) and weights (3, plus a
-prefetch buffer of two gathered layers). Offloading the optimizer removes its state from the device;
+ZeRO over the stage's dp divides the optimizer state (stage >= 1) and gradients (>= 2). ZeRO-3 keeps what its
+runtime (`models.zero3`, FSDP2) keeps: per parameter, split over dp, the fp32 shard (also the master weight), its
+fp32 gradient and the fp32 moments (`ZERO3_SHARD_BYTES`); gathered in the stage's precision, a window of two
+units (the running block and the prefetched one; the embedding or head when larger), and while a unit's
+gradients are reduce-scattered, those gradients plus their fp32 copy in the reduce-scatter buffer.
+Offloading the optimizer removes its state from the device;
 offloading parameters leaves a window of two layers of weights and of gradients on the device.
 
 Activations stored per block and micro-batch, on one device holding `t` tokens (with flash attention,
@@ -41,6 +45,13 @@ LOGIT_BYTES = 6
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes of one element in each precision: the one table the cost model reads dtype sizes from."""
+
+
+ZERO3_SHARD_BYTES = (4, 4, 8)
+"""ZeRO-3 (`models.zero3`), bytes per parameter split over dp: the fp32 parameter shard (which is the master
+weight), its fp32 gradient shard and the fp32 Adam moments."""
+REDUCE_BYTES = 4
+"""Gradients are reduce-scattered in fp32 under ZeRO-3, whatever the stage computes in."""
 
 
 def dtype_bytes(precision: str) -> int:
@@ -173,6 +184,8 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
             weights = state(parts.wb, 1)
         gradients = state(parts.gb, dp if zero >= 2 else 1)
     optimizer = _ZERO if off.optimizer != "device" else state(parts.ob, dp if zero >= 1 else 1)
+    if _runs_zero3(layout):
+        weights, gradients, optimizer = _zero3_state(parts, dp)
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
         activations = Affine(2 * stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -186,6 +199,29 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
 _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
+def _runs_zero3(layout: ParallelLayout) -> bool:
+    """ZeRO-3 with its state on the device: what `models.zero3` runs (offloaded ZeRO-3 is priced, not run)."""
+    return layout.zero >= 3 and layout.offload.params == "device" and layout.offload.optimizer == "device"
+
+
+def _zero3_state(parts: MemoryParts, dp: int) -> tuple[Affine, Affine, Affine]:
+    """(weights, gradients, optimizer) of a ZeRO-3 stage that keeps its state on the device (`models.zero3`)."""
+    p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
+    w1, w2 = max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
+
+    def shard(per_param: float) -> Affine:
+        k = per_param / dp
+        return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
+
+    def window(units: float, per_param: float) -> Affine:
+        return Affine(units * p_layer * per_param, 0.0, 0.0, w1 * per_param, w2 * per_param, 0.0)
+
+    param_b, grad_b, moment_b = ZERO3_SHARD_BYTES
+    weights = Affine(*map(sum, zip(shard(param_b), window(2, parts.wb))))
+    gradients = Affine(*map(sum, zip(shard(grad_b), window(1, parts.gb + REDUCE_BYTES))))
+    return weights, gradients, shard(moment_b)
+
+
 def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
     a test checks both agree)."""
@@ -194,7 +230,11 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
     const = parts.reserve
     per_layer = first = last = both = 0.0
-    if off.params != "device":
+    if _runs_zero3(layout):
+        state = Affine(*map(sum, zip(*_zero3_state(parts, dp))))
+        const, per_layer, first, last, both = (const + state.const, state.per_layer, state.first, state.last,
+                                               state.both)
+    elif off.params != "device":
         const += w0 * (parts.wb + parts.gb)
         first += w1 * (parts.wb + parts.gb)
         last += w2 * (parts.wb + parts.gb)
@@ -209,7 +249,7 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
         first += p_embed * k
         last += p_head * k
         both += tied * k
-    if off.optimizer == "device":
+    if off.optimizer == "device" and not _runs_zero3(layout):
         k = parts.ob / (dp if zero >= 1 else 1)
         per_layer += p_layer * k
         first += p_embed * k
