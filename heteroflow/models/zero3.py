@@ -19,7 +19,9 @@ Under the 1F1B pipeline several micro-batches' forwards run before their backwar
 gathered weights after each forward and gathers them again in backward, and accumulates the reduce-scattered
 gradients of successive micro-batches in the sharded gradient; defaults (`reshard_after_forward`,
 `requires_gradient_sync`, `reshard_after_backward` all on) give exactly that, so no manual switching is
-needed. Written here rather than taken from FSDP2: the optimizer (torch's optimizers would see DTensors,
+needed. In bf16 / fp16 the gathered weights are in that dtype, so norms, embeddings and the residual stream
+compute in it (as under torchtitan's FSDP2), where ZeRO 0-2 stages keep fp32 weights under autocast: the same
+step, rounded differently. Written here rather than taken from FSDP2: the optimizer (torch's optimizers would see DTensors,
 not the tp-local layout the checkpoints and the global norm are keyed on), the tp sum of partial gradients
 and the tied-embedding exchange across stages, which work on the local shards.
 """
@@ -102,8 +104,8 @@ class _Local:
 
     @property
     def data(self) -> torch.Tensor:
-        """The fp32 local rows (1-D view): the parameter's storage and its master weight."""
-        return self.param.to_local().view(-1)
+        """The fp32 local rows (1-D view, outside autograd): the parameter's storage and its master weight."""
+        return self.param.to_local().detach().view(-1)
 
     @property
     def stop(self) -> int:

@@ -88,3 +88,30 @@ def test_zero3_checkpoint_resumes_under_zero1(tmp_path):
     torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
     for name, want in ref_weights.items():
         torch.testing.assert_close(weights[name], want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zero3_in_16_bit_follows_zero1(tmp_path, precision):
+    """16-bit ZeRO-3 (weights gathered in that dtype; fp16 with dynamic loss scaling) takes the steps ZeRO-1 takes:
+    the same skipped steps and scales, losses equal up to 16-bit rounding. (At a scale near fp16's limit ZeRO-3
+    overflows sooner: its embedding and norm gradients are fp16 too, where autocast keeps ZeRO-1's in fp32.)"""
+    from heteroflow.runtime.metrics import read_step_records
+
+    train = {**TRAIN, "precision": precision, "steps": 4}
+    if precision == "fp16":
+        train.update(loss_scale="dynamic", initial_loss_scale=2.0 ** 10, loss_scale_window=2)
+    job_data = {"cluster": CLUSTER, "model": MODEL, "train": train}
+    records = {}
+    for zero in (1, 3):
+        plan = {"micro_batch_size": 4, "stages": [{"devices": ["npu-0"], "layers": 5, "tp": 1, "dp": 2, "zero": zero}]}
+        job = parse_job({**job_data, "plan": plan})
+        metrics = tmp_path / f"zero{zero}.jsonl"
+        args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=4, data_dir=str(tmp_path / "data"),
+                          metrics_path=str(metrics), show_progress=False, timeout_s=120)
+        run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)
+        records[zero] = read_step_records(metrics)
+    for zero1, zero3 in zip(records[1], records[3]):
+        assert zero3.get("skipped") == zero1.get("skipped") and zero3.get("loss_scale") == zero1.get("loss_scale")
+        assert zero3["loss"] == pytest.approx(zero1["loss"], rel=5e-4)
+    assert records[3][-1]["loss"] < records[3][0]["loss"]
