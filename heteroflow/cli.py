@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -66,8 +67,16 @@ def run_import_megatron(args: argparse.Namespace):
     from heteroflow.megatron import ImportOptions, import_megatron
     options = ImportOptions(cluster=args.cluster, device_type=args.device_type, script_args=tuple(args.script_args),
                             env=_env_pairs(args.env), nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                            vocab_size=args.vocab_size)
+                            vocab_size=args.vocab_size, **_megatron_version(args.megatron_version))
     return import_megatron(args.source, options)
+
+
+def _megatron_version(text: str | None) -> dict:
+    """`--megatron-version` as ImportOptions keywords (none: the current release's rules)."""
+    if text is None:
+        return {}
+    from heteroflow.megatron.versions import parse_version
+    return {"megatron_version": parse_version(text)}
 
 
 def cmd_import_megatron(args: argparse.Namespace) -> int:
@@ -139,7 +148,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     factors = tuple(f.strip() for f in args.factors.split(",") if f.strip()) if args.factors else FACTORS
     kwargs = {} if args.prior_weight is None else {"prior_weight": args.prior_weight}
     return calibrate_command(job_path=args.job, run_paths=args.runs, output=args.output, as_json=args.json,
-                             factors=factors, **kwargs)
+                             factors=factors, stage_parts=args.stage_parts, **kwargs)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Run the best predicted plans briefly, calibrate from them, write the best measured plan."""
+    from heteroflow.config import load_job
+    from heteroflow.launcher.tune import TuneOptions, default_work_dir, tune_command
+    if (args.node is None) != (args.rdzv is None):
+        raise UserError("a multi-node tune needs both --node NAME and --rdzv HOST:PORT (on every node)")
+    work_dir = args.work_dir or default_work_dir(args.output)
+    check_output_paths(Output("-o", args.output), Output("--work-dir", work_dir, DIR))
+    job = load_job(args.job)
+    options = TuneOptions(output=args.output, top_k=args.top, steps=args.steps, emulate=args.emulate,
+                          work_dir=work_dir, timeout_s=args.timeout, node=args.node, rdzv=args.rdzv,
+                          join_timeout_s=args.join_timeout)
+    return tune_command(job, options)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -148,6 +172,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_output_paths(Output("-o", args.output), Output("--disk-dir", args.disk_dir, EXISTING_DIR))
     return profile_command(output=args.output, quick=args.quick, device_type=args.device_type,
                            disk_dir=args.disk_dir, as_json=args.json, link=not args.no_link)
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    """Tokenize text / JSONL into a Megatron indexed dataset."""
+    from heteroflow.data.prepare import prepare_data
+    report = prepare_data(args.inputs, tokenizer_dir=args.tokenizer, prefix=args.output, json_key=args.json_key,
+                          append_eod=args.append_eod, dtype=args.dtype, progress=sys.stderr.isatty())
+    empty = f", {report.num_empty} empty documents left out" if report.num_empty else ""
+    print(f"{report.prefix}.bin, {report.prefix}.idx: {report.num_documents} documents, {report.num_tokens} tokens "
+          f"({report.dtype}, vocabulary {report.vocab_size}){empty}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,7 +249,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="devices per node, when the source does not say")
     p.add_argument("--vocab-size", type=int, metavar="N",
                    help="tokenizer vocabulary size (before Megatron's padding), when it cannot be told")
+    p.add_argument("--megatron-version", metavar="X.Y",
+                   help="apply an older Megatron-Core release's rules where they changed (default: current main)")
     p.add_argument("--json", action="store_true", help="print one JSON document (job and report)")
+
+    p = add("prepare-data", cmd_prepare_data,
+            "tokenize text or JSONL files into Megatron's indexed format (PREFIX.bin + PREFIX.idx)")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="a .jsonl/.json file (one JSON object per line) or a text file (documents separated by "
+                        "blank lines)")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="a local Hugging Face tokenizer directory")
+    p.add_argument("-o", "--output", required=True, metavar="PREFIX", help="write PREFIX.bin and PREFIX.idx")
+    p.add_argument("--json-key", default="text", metavar="KEY", help="the JSON field holding the text (default text)")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's eos token")
+    p.add_argument("--dtype", choices=("uint16", "int32"),
+                   help="token dtype (default: uint16 below 65500 ids, else int32, as Megatron chooses)")
 
     p = add("plan", cmd_plan, "search the best plan for a job (or estimate one with --evaluate)")
     p.add_argument("job", metavar="JOB.yaml")
@@ -230,8 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --evaluate: price the run as `train --emulate` does it, every rank a local CPU process")
     p.add_argument("--max-micro-batch-size", type=int, metavar="N", help="largest micro-batch size searched")
     p.add_argument("--all-layouts", action="store_true",
-                   help="also search layouts the cost model prices but `train` does not run yet (offload under ZeRO, "
-                        "parameter offload with tp > 1)")
+                   help="also search layouts the cost model prices but `train` does not run yet (offload under ZeRO)")
 
     p = add("calibrate", cmd_calibrate,
             "fit the cost model's factors per device type to measured runs (metrics files or a measurements file)")
@@ -243,7 +291,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "dp_comm)")
     p.add_argument("--prior-weight", type=float, metavar="W",
                    help="pull toward the uncalibrated model, in log step time per log factor (default 0.05)")
+    p.add_argument("--stage-parts", action="store_true",
+                   help="also fit each stage's measured compute, tp-collective, dp and optimizer times (metrics files "
+                        "with per-stage figures)")
     p.add_argument("--json", action="store_true", help="print the calibration, sensitivities and residuals as JSON")
+
+    p = add("tune", cmd_tune, "run the best predicted plans for a few steps, calibrate from them, keep the best "
+            "measured plan")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("-o", "--output", metavar="PLAN.yaml", required=True, help="write the best measured plan here")
+    p.add_argument("--top", type=int, default=3, metavar="K", help="plans to run, best predicted first (default 3)")
+    p.add_argument("--steps", type=int, default=10, metavar="N",
+                   help="steps per plan, the first 2 (or 20%%) not measured (default 10, at least 3)")
+    p.add_argument("--emulate", action="store_true", help="run every rank as a local CPU process, as `train --emulate`")
+    p.add_argument("--work-dir", metavar="DIR", help="trial plans, metrics, logs and the calibration (default: "
+                   "PLAN.tune next to -o; must be empty); multi-node: the same shared directory on every node")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="step limit of each trial (as train)")
+    p.add_argument("--node", metavar="NAME", help="multi-node: the cluster node this machine is")
+    p.add_argument("--rdzv", metavar="HOST:PORT", help="multi-node: where the nodes meet for each trial")
+    p.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                   help="multi-node: how long the nodes wait for each other (default 300)")
 
     p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
     p.add_argument("-o", "--output", metavar="PROFILE.yaml", help="write the profile here")
@@ -261,7 +328,7 @@ _FLAG_LIMITS = {  # argparse dest -> the flag as written, and its allowed range
     "max_restarts": ("--max-restarts", limits.MAX_RESTARTS), "nnodes": ("--nnodes", limits.NUM_NODES),
     "nproc_per_node": ("--nproc-per-node", limits.DEVICES_PER_NODE), "vocab_size": ("--vocab-size", limits.VOCAB_SIZE),
     "max_micro_batch_size": ("--max-micro-batch-size", limits.MICRO_BATCH_SIZE),
-    "prior_weight": ("--prior-weight", limits.positive(100.0)),
+    "prior_weight": ("--prior-weight", limits.positive(100.0)), "top": ("--top", limits.integers(1, 64)),
 }
 
 
@@ -290,6 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, and keep Python from reporting the closed
+        # stdout again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

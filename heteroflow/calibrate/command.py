@@ -12,11 +12,13 @@ from heteroflow.stagemap.calibration import FACTORS, calibration_document, save_
 
 
 def calibrate_command(*, job_path: str, run_paths: list[str], output: str | None = None, as_json: bool = False,
-                      factors: tuple[str, ...] = FACTORS, prior_weight: float = PRIOR_WEIGHT) -> int:
-    """Fit the factors of `job_path`'s device types to the runs; print a report (or JSON); write `output`."""
+                      factors: tuple[str, ...] = FACTORS, prior_weight: float = PRIOR_WEIGHT,
+                      stage_parts: bool = False) -> int:
+    """Fit the factors of `job_path`'s device types to the runs (`stage_parts`: also their stages' measured
+    parts); print a report (or JSON); write `output`."""
     job = load_job(job_path)
     runs, notes = load_runs(job, run_paths)
-    fit = fit_calibration(runs, factors=factors, prior_weight=prior_weight)
+    fit = fit_calibration(runs, factors=factors, prior_weight=prior_weight, stage_parts=stage_parts)
     if as_json:
         doc = calibration_document(fit.calibration)
         doc["sensitivity"] = dict(zip(fit.params, fit.sensitivity))

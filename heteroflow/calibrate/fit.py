@@ -10,6 +10,12 @@ cost model itself (`evaluate_plan`), so whatever the model does with a rate, the
 "not pinned down" when the runs do not determine it: its diagonal entry of the resolution matrix
 `(J'J + w^2 I)^-1 J'J` is below `PINNED_RESOLUTION` (no sensitivity at all, or one that other factors can
 trade against, as in a rank-deficient Jacobian); it then stays near its prior.
+
+With `stage_parts`, the residuals also hold `PART_WEIGHT * (log(predicted) - log(measured))` of each stage's
+measured parts (`calibrate.runs.FIT_PARTS`) against the cost model's split of the same step
+(`stagemap.breakdown`).
+Emulated runs fit one set of factors (`emulated.gemm`, ...), written for every device type of the cluster:
+an emulated rank is a local CPU process whatever its label, so what one label's stages measured holds for all.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from heteroflow.calibrate.runs import Run
+from heteroflow.calibrate.runs import Run, part_seconds
 from heteroflow.errors import UserError
 from heteroflow.stagemap.calibration import FACTOR_LIMIT, FACTORS, Calibration, DeviceFactors
 from heteroflow.stagemap.estimate import UNCALIBRATED, evaluate_plan, resolve_profile
@@ -30,6 +36,10 @@ PINNED_RESOLUTION = 0.5
 STEP_LOG = 1e-3
 """Finite-difference step on a log-factor."""
 MAX_ITERATIONS = 50
+PART_WEIGHT = 0.5
+"""With `stage_parts`, weight of one stage part's log misfit relative to a run's step time."""
+EMULATED = "emulated"
+"""The name of the one set of factors of emulated runs (every device type is the local CPU there)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,8 +59,10 @@ class Fit:
 
 
 def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
-                    prior_weight: float = PRIOR_WEIGHT) -> Fit:
-    """Fit `factors` of every device type the runs use, from their measured step times."""
+                    prior_weight: float = PRIOR_WEIGHT, stage_parts: bool = False) -> Fit:
+    """Fit `factors` of every device type the runs use, from their measured step times and, with `stage_parts`,
+    also each stage's measured parts (`Run.measured_parts`, weighted `PART_WEIGHT`): a run then pins down the
+    compute, collective and dp factors of each device type separately instead of one combination of them."""
     modes = {run.emulate for run in runs}
     if len(modes) > 1:
         emulated = [r.source for r in runs if r.emulate][:3]
@@ -60,23 +72,40 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
     unknown = [f for f in factors if f not in FACTORS]
     if unknown:
         raise UserError(f"--factors: unknown factor {unknown[0]!r}; choose among {', '.join(FACTORS)}")
-    device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
-    params = [(d, f) for d in device_types for f in factors]
-    measured = np.log([run.measured_step_time_s for run in runs])
+    if emulate:
+        # Every emulated rank is the same local CPU whatever its label: one set of factors, shared by every
+        # device type of the cluster (a label the runs did not use is still this CPU).
+        device_types = sorted({n.device for run in runs for n in run.job.cluster.nodes})
+        params = [(EMULATED, f) for f in factors]
+    else:
+        device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
+        params = [(d, f) for d in device_types for f in factors]
     profiles = [resolve_profile(run.job, None) for run in runs]  # read once, not at every evaluation
+    parts = [run.measured_parts if stage_parts else () for run in runs]
+    if stage_parts:  # a part the uncalibrated model does not price (no tp collective) cannot be fitted
+        priced = [evaluate_plan(run.job, run.plan, profile=profile, emulate=run.emulate, calibration=UNCALIBRATED)
+                  for run, profile in zip(runs, profiles)]
+        parts = [tuple((k, part, v) for k, part, v in found if part_seconds(est.stages[k].times.to_dict(), part) > 0)
+                 for found, est in zip(parts, priced)]
+    measured = np.concatenate([np.log([run.measured_step_time_s for run in runs]),
+                               PART_WEIGHT * np.log([v for found in parts for _, _, v in found] or np.ones(0))])
 
     def calibration_of(theta: np.ndarray) -> Calibration:
         values: dict[str, dict[str, float]] = {d: {} for d in device_types}
         for (d, f), t in zip(params, theta):
-            values[d][f] = math.exp(t)
+            for name in device_types if d == EMULATED else (d,):
+                values[name][f] = math.exp(t)
         return Calibration(factors={d: DeviceFactors(**v) for d, v in values.items()}, num_runs=len(runs),
                            emulate=emulate)
 
     def log_predicted(theta: np.ndarray) -> np.ndarray:
         calibration = calibration_of(theta) if len(theta) else UNCALIBRATED
-        return np.log([evaluate_plan(run.job, run.plan, profile=profile, emulate=run.emulate,
-                                     calibration=calibration).step_time_s
-                       for run, profile in zip(runs, profiles)])
+        estimates = [evaluate_plan(run.job, run.plan, profile=profile, emulate=run.emulate, calibration=calibration)
+                     for run, profile in zip(runs, profiles)]
+        part_values = [part_seconds(est.stages[k].times.to_dict(), part)
+                       for est, found in zip(estimates, parts) for k, part, _ in found]
+        return np.concatenate([np.log([est.step_time_s for est in estimates]),
+                               PART_WEIGHT * np.log(part_values or np.ones(0))])
 
     def jacobian(theta: np.ndarray, base: np.ndarray) -> np.ndarray:
         columns = []
@@ -84,16 +113,17 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
             shifted = theta.copy()
             shifted[j] += STEP_LOG
             columns.append((log_predicted(shifted) - base) / STEP_LOG)
-        return np.stack(columns, axis=1) if columns else np.zeros((len(runs), 0))
+        return np.stack(columns, axis=1) if columns else np.zeros((len(base), 0))
 
-    before = log_predicted(np.zeros(len(params))).tolist()  # all factors 1.0: the uncalibrated model
-    theta, prediction = _solve(log_predicted, jacobian, measured, len(params), prior_weight, before)
+    start = log_predicted(np.zeros(len(params)))  # all factors 1.0: the uncalibrated model
+    theta, prediction = _solve(log_predicted, jacobian, measured, len(params), prior_weight, start)
     jac = jacobian(theta, prediction)
     gram = jac.T @ jac
     resolution = np.diag(np.linalg.solve(gram + prior_weight ** 2 * np.eye(len(params)), gram)) if params else []
     names = tuple(f"{d}.{f}" for d, f in params)
     not_pinned = tuple(n for n, r in zip(names, resolution) if r < PINNED_RESOLUTION)
-    after = np.exp(prediction).tolist()
+    before = start[:len(runs)].tolist()  # the step times; the parts follow them
+    after = np.exp(prediction[:len(runs)]).tolist()
     records = tuple({"source": run.source, "measured_step_time_s": _g(run.measured_step_time_s),
                      "predicted_before_s": _g(math.exp(b)), "predicted_after_s": _g(a),
                      "ratio_before": round(math.exp(b) / run.measured_step_time_s, 4),

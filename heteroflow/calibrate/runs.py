@@ -24,12 +24,14 @@ from heteroflow.config.plan import parse_plan
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.yamlfile import read_yaml
 from heteroflow.errors import ConfigError, UserError
-from heteroflow.runtime.metrics import HEADER_VERSION, read_metrics
+from heteroflow.runtime.metrics import HEADER_VERSION, WARMUP_FRACTION, WARMUP_STEPS, read_metrics, warmup_count
 
-WARMUP_STEPS = 2
-WARMUP_FRACTION = 0.2
 MIN_MEASURED_STEPS = 1
 """Steps left after the warm-up for a run to count."""
+FIT_PARTS = ("compute_s", "collective_s", "dp_s", "optimizer_s")
+"""The per-stage parts of a metrics run `calibrate --stage-parts` also fits (`compute_s`: forward and backward)."""
+MIN_PART_S = 1e-3
+"""Parts shorter than this are left out: timer noise, and nothing a factor could be fitted to."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +47,8 @@ class Run:
     measured_step_time_s: float
     num_steps: int = 0
     """Steps the median was taken over (0 for a measurements file)."""
+    measured_parts: tuple[tuple[int, str, float], ...] = ()
+    """(stage, part of `FIT_PARTS`, median seconds after the warm-up) of a metrics run with per-stage figures."""
 
 
 def load_runs(job: JobConfig, paths: list[str]) -> tuple[list[Run], list[str]]:
@@ -76,8 +80,7 @@ def _is_jsonl(path: str) -> bool:
 
 def warm_step_times(times: list[float]) -> list[float]:
     """The step times after the warm-up."""
-    drop = max(WARMUP_STEPS, math.ceil(WARMUP_FRACTION * len(times)))
-    return times[drop:]
+    return times[warmup_count(len(times)):]
 
 
 def metrics_runs(job: JobConfig, path: str) -> tuple[list[Run], list[str]]:
@@ -106,8 +109,26 @@ def metrics_runs(job: JobConfig, path: str) -> tuple[list[Run], list[str]]:
                          f"{WARMUP_FRACTION:.0%}); run at least {WARMUP_STEPS + MIN_MEASURED_STEPS} steps")
             continue
         runs.append(Run(source=where, job=run_job, plan=plan, emulate=emulate,
-                        measured_step_time_s=statistics.median(warm), num_steps=len(warm)))
+                        measured_step_time_s=statistics.median(warm), num_steps=len(warm),
+                        measured_parts=measured_parts(steps[len(steps) - len(warm):], len(plan.stages))))
     return runs, notes
+
+
+def part_seconds(figures: dict, part: str) -> float:
+    """One of `FIT_PARTS` from a stage's figures (`{"forward_s": ..., ...}`, measured or predicted)."""
+    if part == "compute_s":
+        return figures["forward_s"] + figures["backward_s"]
+    return figures[part]
+
+
+def measured_parts(steps: list[dict], num_stages: int) -> tuple[tuple[int, str, float], ...]:
+    """The medians of each stage's `FIT_PARTS` over `steps` (records without well-formed `stages` give none)."""
+    try:
+        medians = [(k, part, statistics.median(float(part_seconds(r["stages"][k]["measured"], part)) for r in steps))
+                   for k in range(num_stages) for part in FIT_PARTS]
+    except (KeyError, TypeError, IndexError, ValueError, statistics.StatisticsError):
+        return ()
+    return tuple((k, part, value) for k, part, value in medians if math.isfinite(value) and value >= MIN_PART_S)
 
 
 def _header_run(job: JobConfig, header: object, where: str) -> tuple[JobConfig, PlanSpec, bool]:

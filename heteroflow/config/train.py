@@ -7,22 +7,9 @@ import os
 from dataclasses import asdict, dataclass
 
 from heteroflow.config import limits
+from heteroflow.config.data import DataSpec, parse_data
 from heteroflow.config.device import PRECISIONS
 from heteroflow.config.reader import Problems, Section
-
-TOKEN_DTYPES = ("uint16", "uint32")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DataSpec:
-    """A flat binary token file: sample i is tokens [i*S, i*S + S + 1) for sequence length S."""
-
-    path: str
-    """Token file (`.bin`), resolved relative to the job file."""
-    dtype: str = "uint16"
-    """Token width: uint16 or uint32."""
-    shuffle: bool = True
-    """Visit samples in a seeded random order; False consumes them in file order."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,7 +52,7 @@ class TrainSpec:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     data: DataSpec | None = None
-    """Token file; None uses the built-in corpus."""
+    """Token file or Megatron datasets; None uses the built-in corpus."""
     init_from: str | None = None
     """A Hugging Face-format Llama/Qwen2 checkpoint directory to start from."""
     checkpoint: CheckpointSpec | None = None
@@ -86,7 +73,8 @@ class TrainSpec:
 
     def to_dict(self) -> dict:
         """Plain data in the job YAML's schema (unset optional sections left out)."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        return out if self.data is None else {**out, "data": self.data.to_dict()}
 
 
 _NUMBER_LIMITS = {"lr": limits.LEARNING_RATE, "min_lr": limits.MIN_LEARNING_RATE, "weight_decay": limits.WEIGHT_DECAY,
@@ -116,9 +104,7 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
     data_sec = sec.mapping("data", None)
     values["data"] = None
     if data_sec is not None:
-        values["data"] = _build(DataSpec, data_sec, path=data_sec.string("path"),
-                                dtype=data_sec.string("dtype", "uint16", choices=TOKEN_DTYPES),
-                                shuffle=data_sec.boolean("shuffle", True))
+        values["data"] = parse_data(data_sec, problems)
     ckpt_sec = sec.mapping("checkpoint", None)
     values["checkpoint"] = None
     if ckpt_sec is not None:

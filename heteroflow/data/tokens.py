@@ -1,6 +1,6 @@
 """Flat binary token files, and which samples every rank reads at every step.
 
-A token file is a flat array of uint16 or uint32 token ids (no header). For sequence length S,
+A token file is a flat array of uint16, uint32 or int32 token ids (no header). For sequence length S,
 sample i is tokens `[i*S, i*S + S + 1)`: the first S are the inputs, the last S the labels (each
 input's next token); consecutive samples share one boundary token.
 
@@ -15,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from heteroflow.errors import UserError
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
 
 
 def write_token_file(path: str | Path, tokens, dtype: str = "uint16") -> Path:
@@ -41,7 +42,7 @@ class TokenFile:
     def __init__(self, path: str | Path, *, seq_length: int, dtype: str = "uint16", where: str = "train.data.path"):
         self.path, self.seq_length = Path(path), seq_length
         if dtype not in DTYPES:
-            raise UserError(f"train.data.dtype: expected uint16 or uint32, got {dtype!r}")
+            raise UserError(f"train.data.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
         if not self.path.is_file():
             raise UserError(f"{where}: {self.path} not found")
         itemsize = np.dtype(DTYPES[dtype]).itemsize
@@ -67,9 +68,11 @@ class TokenFile:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def check_vocab(self, vocab_size: int, *, chunk: int = 1 << 24) -> None:
-        """Raise a `UserError` if any token id is not below `vocab_size` (scans the whole file)."""
+        """Raise a `UserError` if any token id is negative or not below `vocab_size` (scans the whole file)."""
         top = max((int(self.tokens[a:a + chunk].max()) for a in range(0, len(self.tokens), chunk)), default=0)
-        if top >= vocab_size:
+        low = min((int(self.tokens[a:a + chunk].min()) for a in range(0, len(self.tokens), chunk)), default=0)
+        if low < 0 or top >= vocab_size:
+            top = low if low < 0 else top
             raise UserError(f"train.data.path: {self.path} contains token id {top}, but model.vocab_size is "
                             f"{vocab_size}; tokenize with a vocabulary that fits the model")
 
@@ -103,6 +106,35 @@ class SampleOrder:
             mask = epochs == epoch
             out[mask] = _permutation(self.num_samples, self.seed, int(epoch))[within[mask]]
         return out
+
+
+class Samples(Protocol):
+    """Numbered samples of S + 1 tokens: a `TokenFile`, or Megatron's `GPTSamples` / `BlendedSamples`."""
+
+    num_samples: int
+
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels), each int64 [len(indices), S]."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainData:
+    """The samples a job trains on and the order it reads them in."""
+
+    samples: Samples
+    order: SampleOrder
+
+    @property
+    def num_samples(self) -> int:
+        return self.samples.num_samples
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """Sample indices of optimizer step `step`."""
+        return self.order.global_batch(step)
+
+    def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels), each int64 [len(indices), seq_length]."""
+        return self.samples.batch(indices)
 
 
 def micro_batch_indices(global_indices: np.ndarray, *, micro_batch_size: int, micro_batch: int, dp: int = 1,

@@ -78,12 +78,17 @@ def search_plan_or_fail(job: JobConfig) -> PlanSpec:
     return report.plan
 
 
-def predicted_step_time(job: JobConfig, plan: PlanSpec, *, emulate: bool) -> float | None:
-    """The cost model's step time for this plan (emulated runs priced as local CPU processes sharing
-    this machine's cores); None when the cost model finds the plan infeasible."""
+def predicted_times(job: JobConfig, plan: PlanSpec, *, emulate: bool
+                    ) -> tuple[float | None, tuple[dict[str, float], ...] | None]:
+    """The cost model's step time for this plan (emulated runs priced as local CPU processes sharing this
+    machine's cores) and, per stage, its parts of it with `step_s`; (None, None) when the cost model finds
+    the plan infeasible."""
     from heteroflow.stagemap import evaluate_plan
     estimate = evaluate_plan(job, plan, emulate=emulate)
-    return estimate.step_time_s if estimate.feasible else None
+    if not estimate.feasible:
+        return None, None
+    stages = tuple({**s.times.to_dict(), "step_s": estimate.step_time_s} for s in estimate.stages if s.times)
+    return estimate.step_time_s, stages
 
 
 def calibration_line(job: JobConfig, *, emulate: bool) -> str | None:
@@ -118,10 +123,18 @@ def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = 
 
 def check_runnable(plan: PlanSpec) -> None:
     """Refuse what the planner prices but the runtime does not run yet."""
-    if any(stage.layout.cp != 1 for stage in plan.stages):
-        raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
-                        "use cp: 1")
     check_offload_plan(plan)
+    for k, stage in enumerate(plan.stages):
+        lay = stage.layout
+        if lay.cp > 1 and lay.offload.params != "device":
+            raise UserError(f"plan.stages[{k}]: cp {lay.cp} with offload params: {lay.offload.params} is not run yet: "
+                            "offloaded blocks hand their gradients to the optimizer tier during the backward, before "
+                            "they are summed over cp; keep params on the device (offload: {optimizer: cpu} works "
+                            "with cp) or use cp: 1")
+        if lay.cp > 1 and lay.zero == 3:
+            raise UserError(f"plan.stages[{k}]: cp {lay.cp} with zero: 3 is not run yet: the weights' gradients are "
+                            "summed over cp on whole tensors, ZeRO-3 keeps them sharded over dp; use zero: 1 or 2 "
+                            "with cp, or cp: 1")
 
 
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
@@ -157,10 +170,11 @@ def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:
 
 def worker_args(job: JobConfig, plan: PlanSpec, options: TrainOptions, *, resume: bool = False) -> WorkerArgs:
     """What every worker of `plan` gets."""
+    step_time_s, stage_times = predicted_times(job, plan, emulate=options.emulate)
     return WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps_of(job, options),
                       data_dir=str(cache_dir() / "data"),
                       metrics_path=os.path.abspath(options.metrics_path) if options.metrics_path else None,
-                      predicted_step_time_s=predicted_step_time(job, plan, emulate=options.emulate),
+                      predicted_step_time_s=step_time_s, predicted_stages=stage_times,
                       timeout_s=options.timeout_s, resume=resume or options.resume)
 
 

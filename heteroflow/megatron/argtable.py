@@ -1,14 +1,18 @@
 """Megatron-LM's command-line arguments: name, type, Megatron's default, and what heteroflow does with it.
 
-Names, types and defaults follow `megatron/training/arguments.py` (Megatron-Core 0.13-0.14 era, plus
-flags older scripts still use). Arguments in the `mapped` group are read by `mapping.py` / `layout.py`,
+Names, types and defaults follow `megatron/training/arguments.py`: the hand-written rules below cover the
+flags heteroflow maps or has a reason for (plus flags older scripts still use); every other flag of the
+current parser comes from `megatron_flags.tsv`, generated from arguments.py at the commit its first line
+names (`versions.CURRENT_COMMIT`) and checked against it by tests/megatron/test_megatron_corpus.py. Arguments in the `mapped` group are read by `mapping.py` / `layout.py`,
 which decide their disposition from their values; every other group has one reason for all its
 members. Model-feature groups (MoE, MLA, Mamba, ...) make the import refuse when the feature is on.
 """
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 
 MAPPED = "mapped"
 
@@ -16,7 +20,7 @@ IGNORED_GROUPS = {
     "logging": "logging, profiling and monitoring only",
     "checkpoint": "Megatron checkpoint files and their format: heteroflow neither reads nor writes them "
                   "(set train.checkpoint, or train.init_from with a Hugging Face checkpoint)",
-    "data": "Megatron data-pipeline detail; heteroflow reads one token file (train.data)",
+    "data": "Megatron data-pipeline detail; heteroflow reads --data-path, its blend and --split (train.data)",
     "eval": "validation schedule; a heteroflow job does not evaluate while training",
     "kernel": "kernel or implementation choice: same model, same layout",
     "fp8": "FP8/FP4 execution in Transformer Engine: a kernel precision that does not change the plan; "
@@ -142,7 +146,14 @@ _add(MAPPED, "int", "--mtp-num-layers")
 _add("mtp", "float", "--mtp-loss-scaling-factor", default=0.1)
 _add(MAPPED, "true", "--qk-layernorm")
 _add(MAPPED, "true", "--qk-l2-norm")
-_add(MAPPED, "str", "--spec", elem="str", nargs="*", reason="")
+_add(MAPPED, "list", "--spec", elem="str", nargs="*")  # a module and a spec name: `--spec MODULE NAME`
+_add(MAPPED, "true", "--use-mup")
+_many("init", "float", "--mup-width-mult", "--mup-embedding-mult", "--mup-output-mult", "--mup-base-head-dim",
+      "--mup-attn-scale-power")
+_many("init", "int", "--mup-base-hidden-size")
+_add(MAPPED, "true", "--attention-output-gate")
+_add(MAPPED, "str", "--experimental-attention-variant")
+_add(MAPPED, "str", "--hybrid-layer-pattern")
 _add(MAPPED, "float", "--attention-dropout", default=0.1)
 _add(MAPPED, "float", "--hidden-dropout", default=0.1)
 _add(MAPPED, "false", "--disable-bias-linear", dest="add_bias_linear")
@@ -441,3 +452,29 @@ def by_dest() -> dict[str, ArgDef]:
     for definition in TABLE.values():
         out.setdefault(definition.dest, definition)
     return out
+
+
+MEGATRON_FLAGS_FILE = Path(__file__).with_name("megatron_flags.tsv")
+"""Every flag of Megatron-LM's current parser, generated from its arguments.py by tools/megatron_flag_table.py."""
+UNMAPPED = "megatron_unmapped"
+
+
+def _read_flag_file(path: Path) -> tuple[str, list[ArgDef]]:
+    """The commit line and the flags of the generated table."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    header, rows = lines[0], [line.split("\t") for line in lines[1:] if line.strip()]
+    out = []
+    for flag, dest, kind, default in rows:
+        try:
+            value = ast.literal_eval(default)
+        except (ValueError, SyntaxError):
+            value = None  # a computed default: the table has `?`
+        out.append(ArgDef(flag, dest, kind, value, group_of_unknown(flag) or UNMAPPED, nargs="*"))
+    return header, out
+
+
+MEGATRON_FLAGS_HEADER, MEGATRON_FLAGS = _read_flag_file(MEGATRON_FLAGS_FILE)
+for _definition in MEGATRON_FLAGS:
+    if _definition.flag not in TABLE:
+        # A current Megatron flag heteroflow has no rule for: known by name, type and default.
+        TABLE[_definition.flag] = _definition

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from heteroflow.errors import UserError
 from heteroflow.megatron.args import MegatronArgs, Setting
-from heteroflow.megatron.argtable import FEATURE_GROUPS, IGNORED_GROUPS, MAPPED, by_dest
+from heteroflow.megatron.versions import CURRENT, MegatronVersion
+from heteroflow.megatron.argtable import FEATURE_GROUPS, IGNORED_GROUPS, MAPPED, UNMAPPED, by_dest
 from heteroflow.megatron.report import Entry
 
 NO_RULE = "no effect on the job with the other arguments given"
@@ -28,6 +29,8 @@ class Context:
     notes: list[str] = field(default_factory=list)
     spelling: object = None
     """For YAML sources: destination -> the key the source would use (messages name keys, not flags)."""
+    version: MegatronVersion = CURRENT
+    """The Megatron-Core release whose rules apply (`--megatron-version`)."""
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, dest: str):
@@ -139,6 +142,9 @@ class Context:
         if setting.dest is None:
             return _entry(setting, "unknown", "not a Megatron-LM argument heteroflow knows (a newer or a fork's "
                                               "flag?); it is not used")
+        if group == UNMAPPED:
+            return _entry(setting, "unknown", "a current Megatron-LM argument heteroflow has no rule for: not used; "
+                                              "check that it does not change the model you want")
         assert group == MAPPED, setting
         return _entry(setting, "ignored", NO_RULE)
 

@@ -194,11 +194,16 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
         parallel += ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
     if plan.schedule != "1f1b":
         notes.append(f"Megatron runs 1F1B; the plan's {plan.schedule} schedule is not exported")
-    data = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size - 1),
+    # Current Megatron's NullTokenizer has exactly --vocab-size tokens (versions.NULL_TOKENIZER_EXACT).
+    data = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size),
             "--make-vocab-size-divisible-by", "1"]
-    if t.data is not None:
+    if t.data is not None and t.data.indexed:
+        data += ["--data-path", *map(str, t.data.megatron_data_path()), "--split", t.data.split]
+    elif t.data is not None:
         prefix = t.data.path[:-4] if t.data.path.endswith(".bin") else t.data.path
         data += ["--data-path", prefix, "--split", "100,0,0"]
+        notes.append(f"train.data.path {t.data.path} is a flat token file; Megatron reads indexed datasets "
+                     "(PREFIX.bin + PREFIX.idx): write one with `heteroflow prepare-data`")
         if (t.data.dtype == "uint16") != (m.vocab_size < 65500):
             notes.append(f"Megatron's indexed datasets store {m.vocab_size}-token vocabularies as "
                          f"{'uint16' if m.vocab_size < 65500 else 'int32'}, not {t.data.dtype}")

@@ -11,18 +11,8 @@ import os
 
 from heteroflow.megatron.argtable import FEATURE_GROUPS, FEATURE_SWITCHES
 from heteroflow.megatron.context import Context
+from heteroflow.megatron.programs import program_family
 
-_PROGRAMS = {
-    "pretrain_bert.py": "BERT (bidirectional encoder, masked-LM objective)",
-    "pretrain_t5.py": "T5 (encoder-decoder)",
-    "pretrain_mamba.py": "Mamba / hybrid state-space model",
-    "pretrain_retro.py": "Retro (retrieval-augmented decoder)",
-    "pretrain_vlm.py": "vision-language model",
-    "pretrain_ict.py": "ICT retriever (BERT encoders)",
-    "pretrain_vision_classify.py": "vision Transformer",
-    "pretrain_vision_dino.py": "vision Transformer",
-    "pretrain_vision_inpaint.py": "vision Transformer",
-}
 
 
 def _active(ctx: Context, group: str, program: str) -> bool:
@@ -33,8 +23,8 @@ def _active(ctx: Context, group: str, program: str) -> bool:
     if group == "mla":
         return bool(get("multi_latent_attention"))
     if group == "hybrid":
-        return (program == "pretrain_mamba.py" or bool(get("is_hybrid_model"))
-                or get("hybrid_override_pattern") is not None)
+        return (program in ("pretrain_mamba.py", "pretrain_hybrid.py") or bool(get("is_hybrid_model"))
+                or get("hybrid_override_pattern") is not None or get("hybrid_layer_pattern") is not None)
     if group == "mtp":
         return bool(get("mtp_num_layers"))
     if group == "retro":
@@ -50,8 +40,9 @@ def _active(ctx: Context, group: str, program: str) -> bool:
 def check_features(ctx: Context, program: str | None) -> None:
     """Record a blocker for every feature that is on; mark the feature's arguments either way."""
     name = os.path.basename(program or "")
-    if name in _PROGRAMS:
-        ctx.block(f"{_PROGRAMS[name]}: the entry point {name} does not train a decoder-only GPT model")
+    family = program_family(program) if program else None
+    if family is not None:
+        ctx.block(family)
     for group, label in FEATURE_GROUPS.items():
         members = [s for s in ctx.args.settings if s.group == group]
         switch = FEATURE_SWITCHES.get(group)
@@ -63,7 +54,8 @@ def check_features(ctx: Context, program: str | None) -> None:
         if switch_setting is not None:
             members.insert(0, switch_setting)
         if group == "hybrid":
-            members += [s for s in ctx.args.settings if s.dest in ("is_hybrid_model", "hybrid_override_pattern")]
+            members += [s for s in ctx.args.settings if s.dest in ("is_hybrid_model", "hybrid_override_pattern",
+                                                                     "hybrid_layer_pattern")]
         if not _active(ctx, group, name):
             for setting in members:
                 if setting.dest == switch_dest and switch_dest is not None:

@@ -12,6 +12,7 @@ stand-in device so every other problem shows now).
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,9 +35,14 @@ from heteroflow.megatron.mapping import map_model
 from heteroflow.megatron.nemo import nemo_key, read_nemo_yaml
 from heteroflow.megatron.placement import PLACEHOLDER_DEVICE, generated_cluster, plan_section
 from heteroflow.megatron.report import Entry, ImportReport, LayoutSummary
+from heteroflow.megatron.script_files import file_finder
 from heteroflow.megatron.shell import run_script
 from heteroflow.megatron.training import map_train
+from heteroflow.megatron.programs import nemo_family, program_family
+from heteroflow.megatron.model_config import is_model_config, read_model_config
 from heteroflow.megatron.yaml_cfg import read_megatron_yaml, yaml_key
+from heteroflow.megatron.yaml_files import read_megatron_yaml_file
+from heteroflow.megatron.versions import CURRENT, MegatronVersion
 
 _STAND_IN_DEVICE = "cpu"
 
@@ -59,6 +65,8 @@ class ImportOptions:
     """Overrides the processes (devices) per node the source implies."""
     vocab_size: int | None = None
     """Tokenizer vocabulary size (before Megatron's padding) when the source does not tell it."""
+    megatron_version: MegatronVersion = CURRENT
+    """The Megatron-Core release whose rules apply where they changed (NullTokenizer's vocabulary)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,10 +179,18 @@ class _Source:
 def _read_shell(path: Path, options: ImportOptions) -> _Source:
     text = read_text_file(path)
     try:
-        run = run_script(text, args=options.script_args, env=options.env, script_name=str(path))
+        run = run_script(text, args=options.script_args, env=options.env, script_name=str(path.resolve()),
+                         cwd=str(path.resolve().parent), read_file=file_finder(path))
         launch = find_launch(run.commands)
     except UserError as exc:
-        raise UserError(f"{path}: {exc}") from None
+        hint = _exit_hint(run) if "run" in locals() else ""
+        if "no training launch" in str(exc):
+            found = _family_in_text(text)
+            if found is not None:
+                raise UserError(f"{path}: {found}") from None
+            if hint:
+                raise UserError(f"{path}: no training launch reached{hint}") from None
+        raise UserError(f"{path}: {exc}{hint}") from None
     args = parse_argv(launch.argv, launch.line)
     notes = list(run.notes) + list(launch.notes)
     for name, line in sorted(run.missing.items(), key=lambda kv: kv[1]):
@@ -187,13 +203,13 @@ def _read_shell(path: Path, options: ImportOptions) -> _Source:
             notes.append(f"line {line}: word {text!r} on the launch line is not known; if it holds arguments, "
                          "pass it with --env")
     source = _Source("shell", args, list(launch.entries), notes, [], launch, launch.nnodes, launch.nproc_per_node,
-                     launch.program)
+                     launch.program_path)
     yaml_cfg = args.setting("yaml_cfg")
     if yaml_cfg is not None and yaml_cfg.value:
         cfg_path = Path(str(yaml_cfg.value))
         if not cfg_path.is_absolute():
             cfg_path = path.parent / cfg_path if (path.parent / cfg_path).exists() else cfg_path
-        yaml_args, yaml_entries = read_megatron_yaml(read_yaml(cfg_path), origin="yaml")
+        yaml_args, yaml_entries = read_megatron_yaml(read_megatron_yaml_file(cfg_path), origin="yaml")
         ignored = [Entry(s.key, s.shown, "ignored", "Megatron reads every argument from --yaml-cfg and ignores the "
                                                     "command line", s.line, s.origin)
                    for s in args.settings if s.dest != "yaml_cfg"]
@@ -204,10 +220,55 @@ def _read_shell(path: Path, options: ImportOptions) -> _Source:
     return source
 
 
+_PROGRAM_WORD = re.compile(r"(?:^|[\s/=\"'])([\w.${}/-]+\.py)\b|(?:\s-m\s+)([\w.]+)", re.M)
+
+
+def _family_in_text(text: str) -> str | None:
+    """The family of a non-training program the script text names, for a script whose interpreted path
+    launches nothing (it stops earlier, e.g. on a missing option): `line N: inference: ...`."""
+    families = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("#"):
+            continue
+        for match in _PROGRAM_WORD.finditer(line):
+            program = match.group(1) or (match.group(2).replace(".", "/") + ".py")
+            if program.startswith("torch/distributed"):
+                continue
+            family = program_family(program)
+            if family is None:
+                return None  # the script may also launch a training entry point: nothing to tell from the text
+            families.append(f"line {number}: {family}")
+    return families[0] if families else None
+
+
+def _exit_hint(run) -> str:
+    """Why the script stopped early, when an `exit` cut it short, with the variables to pass."""
+    if run.exited_at is None or run.exit_status == 0:
+        return ""
+    positional = [n for n in run.exit_unset if n.isdigit() or n in "@*#"]
+    if positional:
+        return (f"; the script exits at line {run.exited_at} because it needs positional parameter "
+                f"{', '.join('$' + n for n in positional)}: pass it after the script "
+                "(heteroflow import-megatron SCRIPT ARG1 ARG2 ...)")
+    if run.exit_unset:
+        names = " ".join(f"--env {n}=VALUE" for n in run.exit_unset)
+        return (f"; the script exits at line {run.exited_at} because {', '.join('$' + n for n in run.exit_unset)} "
+                f"{'is' if len(run.exit_unset) == 1 else 'are'} not set: pass {names}")
+    return f"; the script exits at line {run.exited_at} before it launches anything"
+
+
 def _read_source(path: Path, options: ImportOptions) -> _Source:
     if path.suffix.lower() not in (".yaml", ".yml"):
         return _read_shell(path, options)
-    data = read_yaml(path)
+    data = read_megatron_yaml_file(path)
+    family = nemo_family(str(path.resolve()))
+    if family is not None:
+        return _Source("nemo-yaml", parse_argv(()), [], [], [family], None, 1, 1, "pretrain_gpt.py", nemo_key)
+    if is_model_config(path, data):
+        config = read_model_config(path, data, options.env)
+        args = parse_argv(config.argv)
+        return _Source("model_config.yaml", args, [], [], list(config.blockers), None, None, config.nproc_per_node,
+                       config.program)
     kind = _source_kind(path, data)
     if kind == "nemo-yaml":
         args, entries, blockers, nnodes, nproc = read_nemo_yaml(data)
@@ -236,6 +297,13 @@ def _world(source: _Source, options: ImportOptions, cluster: ClusterSpec | None,
         problem = None if value is None else limit.problem(value)
         if problem is not None:
             raise UserError(f"{name}: {problem}")
+    if cluster is not None and not options.nnodes and not options.nproc_per_node:
+        # The cluster file says where the job runs: its devices are the world, whatever the launcher said.
+        counts = {n.count for n in cluster.nodes}
+        if source.nnodes and source.nproc_per_node and source.nnodes * source.nproc_per_node != cluster.num_devices:
+            notes.append(f"the source launches {source.nnodes} x {source.nproc_per_node} processes; the cluster has "
+                         f"{cluster.num_devices} devices, which are the world size of the import")
+        return cluster.num_devices, len(cluster.nodes), counts.pop() if len(counts) == 1 else 0
     nnodes = options.nnodes or source.nnodes
     nproc = options.nproc_per_node or source.nproc_per_node
     for given, found, what in ((options.nnodes, source.nnodes, "nodes"),
@@ -273,13 +341,22 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
     notes = list(source.notes)
     if options.device_type is not None and cluster is not None:
         notes.append(f"--device-type {options.device_type} is not used: the cluster file names the devices")
-    ctx = Context(source.args, spelling=source.spelling)
+    ctx = Context(source.args, spelling=source.spelling, version=options.megatron_version)
     for problem in source.args.problems:
         ctx.error(f"{problem} (Megatron's argument parser rejects it)")
     for blocker in source.blockers:
         ctx.block(blocker)
     check_features(ctx, source.program)
-    world, nnodes, nproc = _world(source, options, cluster, notes)
+    try:
+        world, nnodes, nproc = _world(source, options, cluster, notes)
+    except UserError:
+        if not ctx.blockers:
+            raise
+        # A refused model needs no cluster size: say what it is rather than what is missing.
+        report = ImportReport(str(path), source.kind, tuple(source.entries + ctx.entries()), None,
+                              source.launch.describe() if source.launch is not None else "", tuple(ctx.blockers),
+                              tuple(notes))
+        return ImportResult(str(path), report, None, None, None)
     tp = ctx.get("tensor_model_parallel_size") if isinstance(ctx.get("tensor_model_parallel_size"), int) else 1
     model = map_model(ctx, max(tp, 1), options.vocab_size)
     layout = train = None
@@ -287,12 +364,12 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
         layout = map_layout(ctx, world, model["num_layers"], model["seq_length"])
     if layout is not None:
         layout = replace(layout, world_size=world)
-        train = map_train(ctx, layout, model.get("vocab_size"))
+        train = map_train(ctx, layout)
     elif model:
         # Still read the training arguments, so every problem is reported in one go.
         mbs, gbs = ctx.get("micro_batch_size") or 1, ctx.get("global_batch_size") or 1
         map_train(ctx, MegatronLayout(world, 1, ParallelLayout(), mbs if isinstance(mbs, int) else 1,
-                                      gbs if isinstance(gbs, int) else 1, (model["num_layers"],)), None)
+                                      gbs if isinstance(gbs, int) else 1, (model["num_layers"],)))
     summary = None
     if layout is not None:
         par = layout.parallel

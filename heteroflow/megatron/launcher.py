@@ -13,12 +13,15 @@ import re
 from dataclasses import dataclass
 
 from heteroflow.errors import UserError
+from heteroflow.megatron.programs import program_family
 from heteroflow.megatron.report import Entry
 from heteroflow.megatron.shell import Command, Field
 
 _TRAINING_NAME = re.compile(r"^(pretrain|train|finetune|run_pretrain|main)[\w.-]*\.py$|^.*(pretrain|finetune).*\.py$")
 _DISTRIBUTED = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "deepspeed", "srun", "mpirun",
-                "mpiexec")
+                "mpiexec", "sbatch")
+_SCHEDULERS = ("srun", "mpirun", "mpiexec", "sbatch")
+"""Launchers whose sizes count tasks: torchrun inside them is the launcher that sets processes per node."""
 # Launcher options: (names, role, takes a value). Roles: nproc, nnodes, nodes-and-nproc (srun -n), ignored.
 _OPTIONS = (
     (("--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num-gpus", "--ntasks-per-node", "--npernode",
@@ -32,8 +35,15 @@ _OPTIONS = (
     (("--max_restarts", "--max-restarts", "--monitor_interval", "--monitor-interval", "--log_dir", "--log-dir",
       "--redirects", "--tee", "--role", "--local_addr", "--local-addr", "--start_method", "--start-method",
       "--local-ranks-filter", "--local_ranks_filter"), "launcher housekeeping (restarts, logs)", True),
-    (("--no_python", "--no-python", "--module", "-m", "--use_env", "--use-env", "--run_path", "--run-path"),
+    (("--no_python", "--no-python", "--module", "-m", "--use_env", "--use-env", "--run_path", "--run-path",
+      "-u", "-l", "--label", "--verbose", "-v", "--exclusive", "--overcommit", "-O", "--parsable", "--requeue",
+      "--no-container-mount-home", "--container-remap-root", "--frozen", "--locked", "--no-sync", "--isolated"),
      "launcher housekeeping", False),
+    (("--extra", "--with", "--group", "--project", "--directory", "--python", "--env-file", "--package",
+      "--dependency", "-d", "--signal", "--comment", "--reservation", "--qos", "-q", "--constraint", "-C",
+      "--mail-type", "--mail-user", "--chdir", "-D", "--open-mode", "--gpus", "-G", "--container-workdir",
+      "--container-env", "--distribution"),
+     "launcher housekeeping (environment, scheduling)", True),
     (("--hostfile", "--include", "--exclude", "--master_port", "--launcher", "-H", "--host", "--hosts",
       "-x", "--map-by", "--bind-to", "--mca", "-p", "--partition", "-J", "--job-name", "-o", "--output",
       "-e", "--error", "-A", "--account", "-t", "--time", "--container-image", "--container-mounts",
@@ -60,6 +70,8 @@ class Launch:
     entries: tuple[Entry, ...]
     """Report entries for the launcher's own options."""
     notes: tuple[str, ...] = ()
+    program_path: str = ""
+    """The entry point as the script writes it, e.g. `${DIR}/examples/mimo/train.py`."""
 
     def describe(self) -> str:
         """One line for the report."""
@@ -74,7 +86,7 @@ def _basename(text: str) -> str:
 
 
 _WRAPPERS = ("srun", "mpirun", "mpiexec", "env", "nohup", "time", "exec", "numactl", "taskset", "nice", "timeout",
-             "stdbuf", "sudo", "nsys", "ncu")
+             "stdbuf", "sudo", "nsys", "ncu", "sbatch", "uv")
 _PYTHON = re.compile(r"^python[\d.]*$")
 
 
@@ -89,14 +101,35 @@ def _entry_index(fields: tuple[Field, ...]) -> int | None:
         return None
     has_launcher = False
     for k, f in enumerate(fields):
-        if not f.known:
+        if not f.known and not _known_py_name(f):
             continue
         base = _basename(f.text)
         if base in _DISTRIBUTED or f.text in _DISTRIBUTED:
             has_launcher = True
+        elif _module_program(fields, k) and (has_launcher or _PYTHON.match(_basename(fields[k - 2].text))):
+            return k
         if base.endswith(".py") and (has_launcher or _TRAINING_NAME.match(base)):
             return k
     return None
+
+
+def _module_program(fields: tuple[Field, ...], k: int) -> bool:
+    """Whether word k is the module of `python -m MODULE` / `torchrun -m MODULE` (not torch.distributed.*)."""
+    return (k >= 2 and fields[k - 1].text in ("-m", "--module") and fields[k].known
+            and not fields[k].text.startswith(("-", "torch.distributed")))
+
+
+def program_path(field: Field, fields: tuple[Field, ...], k: int) -> str:
+    """The entry point as a path: `examples.inference.offline` run with -m reads examples/inference/offline.py."""
+    if _module_program(fields, k):
+        return field.text.replace(".", "/") + ".py"
+    return field.text
+
+
+def _known_py_name(field: Field) -> bool:
+    """Whether a word such as `${CODE_DIR}/pretrain_gpt.py` names a known Python file in an unknown directory."""
+    tail = field.raw.rsplit("/", 1)[-1]
+    return "/" in field.raw and tail.endswith(".py") and Field(tail).known
 
 
 def _int(field: Field | None) -> tuple[int | None, str]:
@@ -127,7 +160,7 @@ def _read_launcher(words: tuple[Field, ...], line: int) -> tuple[str, int | None
         base = _basename(text)
         if word.known and (base in _DISTRIBUTED or text in _DISTRIBUTED):
             current = base if base in _DISTRIBUTED else text
-            if launcher in ("python", "srun", "mpirun", "mpiexec"):  # torchrun inside srun is the launcher
+            if launcher in ("python",) + _SCHEDULERS:  # torchrun inside srun is the launcher
                 launcher = current
             k += 1
             continue
@@ -158,7 +191,7 @@ def _read_launcher(words: tuple[Field, ...], line: int) -> tuple[str, int | None
                 entries.append(Entry(key, shown, "ignored", f"cannot be read: {why}", line, "launcher"))
                 notes.append(f"line {line}: {key} {shown}: {why}")
                 continue
-            is_srun = current in ("srun", "mpirun", "mpiexec")
+            is_srun = current in _SCHEDULERS
             if role == "nproc":
                 if is_srun:
                     srun_nproc = value
@@ -177,7 +210,7 @@ def _read_launcher(words: tuple[Field, ...], line: int) -> tuple[str, int | None
             entries.append(Entry(key, "", "mapped", "cluster: a single node", line, "launcher"))
         else:
             entries.append(Entry(key, shown, "ignored", role, line, "launcher"))
-    if nproc is None and srun_nproc is not None and launcher in ("srun", "mpirun", "mpiexec", "python"):
+    if nproc is None and srun_nproc is not None and launcher in ("python",) + _SCHEDULERS:
         nproc = srun_nproc
     if nnodes is None and srun_nodes is not None:
         nnodes = srun_nodes
@@ -192,14 +225,21 @@ def find_launch(commands: tuple[Command, ...]) -> Launch:
         if k is not None:
             found.append((command, k))
     if not found:
+        programs = [(c, f.text) for c in commands for f in c.fields if f.text.endswith(".py")]
+        for c, program in programs:
+            family = program_family(program)
+            if family is not None:
+                raise UserError(f"line {c.line}: {family}")
         unknown = [c for c in commands if c.fields and any(_basename(f.text) in _DISTRIBUTED for f in c.fields)]
         if unknown:
             c = unknown[0]
             raise UserError(f"line {c.line}: the launcher runs {' '.join(f.text for f in c.fields)[:120]!r}, "
                             "but the training script's path is not known; pass the variables it uses with --env")
+        if not programs:
+            raise UserError("no training launch found: the script runs no Python program (a file of settings that "
+                            "a launch script `source`s? import the launch script instead)")
         raise UserError("no training launch found: expected a command such as `torchrun ... pretrain_gpt.py ...` "
-                        "(heteroflow reads the script without running it; commands inside `source`d files are "
-                        "not followed)")
+                        "(heteroflow reads the script without running it)")
     command, k = found[0]
     notes = [f"line {c.line}: another launch of {c.fields[j].text} is not used (the first launch, line "
              f"{command.line}, is imported)" for c, j in found[1:]]
@@ -223,5 +263,6 @@ def find_launch(commands: tuple[Command, ...]) -> Launch:
     for name, value in command.prefix_assigns:
         entries.append(Entry(f"{name}=", value.text, "ignored", "environment of the launch (CUDA / NCCL tuning)",
                              command.line, "launcher"))
-    return Launch(command.line, launcher, _basename(command.fields[k].text), nproc, nnodes,
-                  tuple(command.fields[k + 1:]), tuple(entries), tuple(notes + launcher_notes))
+    path = program_path(command.fields[k], command.fields, k)
+    return Launch(command.line, launcher, _basename(path), nproc, nnodes, tuple(command.fields[k + 1:]),
+                  tuple(entries), tuple(notes + launcher_notes), path)

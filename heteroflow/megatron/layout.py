@@ -167,7 +167,15 @@ def _layer_split(ctx: Context, num_layers: int, pp: int) -> tuple[list[int] | No
         for dest in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
             ctx.mark(dest, "mapped", f"plan.stages[*].layers = {layers}")
     if layers is not None:
-        if vp is not None and any(n % vp for n in layers):
+        if vp is not None and (with_embedding or with_loss) and first is None and last is None:
+            # The embedding and the loss count as layers of the first / last virtual stage: what must
+            # divide evenly is the layer slots, [1, 2, 2, 1] with vp 2 holds 2 slots per virtual stage.
+            total = num_layers + int(bool(with_embedding)) + int(bool(with_loss))
+            if total % (pp * vp):
+                ctx.error(f"{num_layers} layers{' + embedding' if with_embedding else ''}"
+                          f"{' + loss' if with_loss else ''} = {total} must be divisible by pipeline-model-parallel "
+                          f"size {pp} x {vp} virtual stages (Megatron)")
+        elif vp is not None and any(n % vp for n in layers):
             ctx.error(f"layers per pipeline rank {layers} must divide into {vp} virtual stages each")
         if any(n < 1 for n in layers):
             ctx.error(f"the split {layers} leaves a pipeline stage without transformer layers; heteroflow stages "

@@ -10,6 +10,7 @@ import math
 import re
 
 from heteroflow.megatron.context import Context
+from heteroflow.megatron.versions import null_tokenizer_vocab
 
 # Tokenizer vocabularies Megatron reads from the tokenizer itself (len(tokenizer) for Hugging Face ones).
 _KNOWN_TOKENIZERS = ((re.compile(r"llama[-_ ]?3|meta-llama-3", re.I), 128256, "Llama-3"),
@@ -27,6 +28,10 @@ def map_model(ctx: Context, tp: int, vocab_override: int | None) -> dict:
         ctx.mark("encoder_num_layers", "mapped", f"model.num_layers = {num_layers}")
     elif ctx.given("encoder_num_layers"):
         ctx.error("cannot have both num-layers and encoder-num-layers specified (Megatron)")
+    pattern = ctx.get("hybrid_layer_pattern")
+    if num_layers is None and isinstance(pattern, str):
+        # Current Megatron counts the layers of --hybrid-layer-pattern (the model is refused as hybrid).
+        num_layers = sum(pattern.count(c) for c in "M*-E")
     if num_layers is None:
         ctx.required("num_layers")
     hidden = ctx.required("hidden_size")
@@ -60,7 +65,11 @@ def map_model(ctx: Context, tp: int, vocab_override: int | None) -> dict:
                                                 "key/value head per query head)")
     _tp_rules(ctx, tp, heads, kv_heads, ffn)
     position = _position(ctx, seq)
-    rope_theta = float(ctx.get("rotary_base"))
+    base = ctx.get("rotary_base")
+    if not isinstance(base, (int, float)):
+        # Its conversion problem (or the unresolved value) is already reported; keep Megatron's default.
+        base = 10000
+    rope_theta = float(base)
     if position == "rope":
         ctx.mark_or_default("rotary_base", "mapped", f"model.rope_theta = {rope_theta:g}")
     else:
@@ -218,6 +227,10 @@ def _shape_blockers(ctx: Context) -> None:
         ("no_rope_freq", lambda v: v is not None, "layers without RoPE (--no-rope-freq)"),
         ("qk_l2_norm", lambda v: v, "Llama-4 query/key L2 normalisation"),
         ("spec", lambda v: v not in (None, [], ["local"]), "a custom layer spec"),
+        ("use_mup", lambda v: v, "muP (maximal-update parametrisation: its own initialisation and per-layer "
+                                 "learning rates)"),
+        ("attention_output_gate", lambda v: v, "gated attention output"),
+        ("experimental_attention_variant", lambda v: v is not None, "experimental attention variant"),
     )
     for dest, active, label in rules:
         value = ctx.get(dest)
@@ -276,7 +289,7 @@ def _tokenizer_size(ctx: Context, kind: str | None, override: int | None) -> tup
         if vocab_size is None:
             ctx.error("--tokenizer-type NullTokenizer needs --vocab-size (Megatron asserts it)")
             return None, ""
-        return vocab_size + 1, f"NullTokenizer: --vocab-size {vocab_size} + 1 end-of-document token"
+        return null_tokenizer_vocab(vocab_size, ctx.version)
     if kind == "GPT2BPETokenizer":
         return _GPT2_VOCAB, f"GPT-2 BPE {_GPT2_VOCAB} tokens"
     if kind is None and ctx.given("vocab_file") and ctx.given("merge_file"):

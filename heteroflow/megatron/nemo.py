@@ -189,8 +189,11 @@ def _model_key(rest: str, key: str, value, values: dict, max_steps, item, entry,
     if rest.startswith("data."):
         if rest == "data.data_prefix":
             item(key, "data_path", value if isinstance(value, list) else [value])
+        elif rest == "data.splits_string" and value is not None:
+            item(key, "split", str(value))
         else:
-            entry(key, value, "ignored", "NeMo data-pipeline detail; heteroflow reads one token file (train.data)")
+            entry(key, value, "ignored", "NeMo data-pipeline detail; heteroflow reads data_prefix and splits_string "
+                                         "(train.data)")
         return
     if rest.startswith("optim."):
         _optim_key(rest, key, value, values, max_steps, item, entry)
@@ -279,6 +282,10 @@ def _optim_key(rest: str, key: str, value, values: dict, max_steps, item, entry)
         else:
             entry(key, value, "approximated", f"heteroflow decays with a cosine, not NeMo's {value}")
     elif field == "sched.warmup_steps":
+        if isinstance(value, float) and not value.is_integer():
+            # NeMo's schedulers take fractional warmup steps; Megatron counts whole iterations.
+            entry(key, value, "approximated", f"warmup of {value:g} steps rounded to {round(value)} iterations")
+            value = round(value)
         item(key, "lr_warmup_iters", value)
     elif field == "sched.warmup_ratio":
         item(key, "lr_warmup_fraction", value)

@@ -3,11 +3,14 @@ precision and data, with Megatron's defaults and rules."""
 
 from __future__ import annotations
 
+import re
+
+from heteroflow.config.data import DEFAULT_SPLIT, MID_LEVEL_SURPLUS
 from heteroflow.megatron.context import Context
 from heteroflow.megatron.layout import MegatronLayout
 
 
-def map_train(ctx: Context, layout: MegatronLayout, vocab_size: int | None) -> dict:
+def map_train(ctx: Context, layout: MegatronLayout) -> dict:
     """The `train:` section."""
     gbs = layout.global_batch_size
     precision = _precision(ctx)
@@ -34,7 +37,7 @@ def map_train(ctx: Context, layout: MegatronLayout, vocab_size: int | None) -> d
              "steps": steps, "seed": seed, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup, "weight_decay": wd,
              **values}
     train.update(_loss_scale(ctx, precision))
-    data = _data(ctx, vocab_size)
+    data = _data(ctx)
     if data is not None:
         train["data"] = data
     return train
@@ -217,7 +220,9 @@ def _optimizer(ctx: Context) -> None:
                                         "loss masking are not reproduced")
 
 
-def _data(ctx: Context, vocab_size: int | None) -> dict | None:
+def _data(ctx: Context) -> dict | None:
+    """`--data-path` (with its blend weights and `--split`) or `--train-data-path` -> `train.data.prefixes`:
+    heteroflow draws the samples as Megatron's GPTDataset / BlendedDataset do (same seed, same samples)."""
     if ctx.get("mock_data"):
         ctx.mark("mock_data", "mapped", "train.data unset: heteroflow's built-in corpus")
     for dest in ("data_path", "train_data_path"):
@@ -228,17 +233,45 @@ def _data(ctx: Context, vocab_size: int | None) -> dict | None:
             ctx.mark(dest, "ignored", f"the path comes from {', '.join(setting.unresolved)}, which the script does "
                                       "not set: train.data left unset (pass it to the importer or set train.data)")
             continue
-        paths = setting.value or []
-        if len(paths) != 1:
-            ctx.mark(dest, "approximated", f"a blend of {len(paths) // 2 or len(paths)} datasets; heteroflow reads "
-                                           "one token file: train.data left unset")
+        paths = [str(p) for p in setting.value or []]
+        if not paths:
+            ctx.mark(dest, "ignored", "no dataset prefix given: train.data left unset")
             continue
-        prefix = paths[0]
-        path = prefix if prefix.endswith(".bin") else prefix + ".bin"
-        # Megatron's preprocess_data.py writes uint16 tokens below 65500 ids, int32 (read as uint32) above.
-        dtype = "uint16" if vocab_size is not None and vocab_size < 65500 else "uint32"
-        where = "" if path.startswith("/") else ", resolved against the job file's directory"
-        ctx.mark(dest, "approximated", f"train.data.path = {path}: Megatron's indexed dataset .bin holds the tokens; "
-                                       f"heteroflow reads it as one stream (no document shuffling, no .idx){where}")
-        return {"path": path, "dtype": dtype}
+        # --train-data-path is the train split's own blend: all of its documents (Megatron's split (0, 1)).
+        # Megatron reads the shares as every number in the text (quotes and spaces do not matter).
+        split = "100,0,0" if dest == "train_data_path" else \
+            ",".join(re.findall(r"[.0-9]+", str(ctx.get("split") or DEFAULT_SPLIT))) or str(ctx.get("split"))
+        prefixes = paths[1::2] if _weighted(paths) else paths
+        relative = any(not p.startswith("/") for p in prefixes)
+        where = ", relative prefixes resolved against the job file's directory" if relative else ""
+        ctx.mark(dest, "mapped", f"train.data.prefixes = {' '.join(paths)}: Megatron indexed datasets, samples "
+                                 f"drawn as Megatron's GPTDataset{' and BlendedDataset' if len(paths) > 1 else ''} "
+                                 f"with train.seed{where}")
+        if dest == "data_path":
+            ctx.mark_or_default("split", "mapped", f"train.data.split = {split} (heteroflow trains on the first share)")
+        for flag, effect in _SAMPLE_CHANGES:
+            if ctx.get(flag) not in (None, False, MID_LEVEL_SURPLUS):
+                ctx.mark(flag, "approximated", effect)
+        return {"prefixes": paths, "split": split}
     return None
+
+
+_SAMPLE_CHANGES = (
+    ("mid_level_dataset_surplus", "heteroflow builds blends with Megatron's default surplus 0.005; with another "
+                                  "value Megatron's blended samples differ"),
+    ("eod_mask_loss", "heteroflow computes the loss on every token, end-of-document tokens included"),
+    ("reset_position_ids", "heteroflow never resets positions at document ends"),
+    ("reset_attention_mask", "heteroflow never masks attention across document ends"),
+)
+"""Megatron data options that change what a step trains on, which heteroflow does not reproduce."""
+
+
+def _weighted(paths: list[str]) -> bool:
+    """Whether `--data-path` is `w1 p1 w2 p2 ...` (Megatron reads weights when every first of a pair is a number)."""
+    if len(paths) % 2:
+        return False
+    try:
+        [float(w) for w in paths[0::2]]
+    except ValueError:
+        return False
+    return True

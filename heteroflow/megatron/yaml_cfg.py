@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from heteroflow.errors import UserError
 from heteroflow.megatron.args import MegatronArgs, Setting, build_args, make_setting
-from heteroflow.megatron.argtable import TABLE, ArgDef, by_dest, group_of_unknown
+from heteroflow.megatron.argtable import TABLE, UNMAPPED, ArgDef, by_dest, group_of_unknown
 from heteroflow.megatron.report import Entry
 from heteroflow.megatron.shell import Field
 
@@ -66,6 +66,9 @@ def _typed(definition: ArgDef, value: object) -> list[Field]:
         return [Field(str(v)) for v in value]
     if isinstance(value, bool):
         return [Field(str(value).lower())]
+    if definition.kind == "int" and isinstance(value, float) and value.is_integer():
+        # YAML values are typed already (Megatron sets them without argparse): 1000000.0 is the integer.
+        return [Field(str(int(value)))]
     return [Field(str(value))]
 
 
@@ -88,7 +91,7 @@ def settings_from_mapping(items: list[tuple], origin: str, problems: list[str],
         if name == "activation_func":
             name, value = _activation(str(value))
         definition = definition_for(_RENAMES.get(name, name))
-        if definition is None:
+        if definition is None or (definition.group == UNMAPPED and name in _YAML_GROUP):
             group = _YAML_GROUP.get(name) or group_of_unknown("--" + name.replace("_", "-"))
             settings.append(Setting(key, None, (written,), value, None, origin, (), group, len(settings)))
             continue

@@ -3,9 +3,16 @@
 Each pair is the adjoint of the other: the forward of one is the backward of its partner, which is
 what keeps activations *and* their gradients in the layout a stage promises (see parallelize.py).
 Sequence is dim 1 of [batch, seq, hidden] activations.
+
+Timing: inside `with timing_collectives(group, timer):` every collective of this module on `group` is timed
+as the part `collective` of `timer` (a `devices.timing.PartTimer`). The runtime installs its stage's timer
+around each step's pipeline; outside such a block nothing is timed and nothing is installed.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,9 +23,39 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+COLLECTIVE = "collective"
+"""The `PartTimer` part the collectives are timed as."""
+
+_TIMERS: dict[int, tuple[ProcessGroup, Any]] = {}
+"""The timers installed by `timing_collectives`, by process group (id); empty outside such blocks."""
+
+
+@contextlib.contextmanager
+def timing_collectives(group: ProcessGroup | None, timer: Any) -> Iterator[None]:
+    """Time the collectives on `group` (None: a stage without tp, nothing to time) with `timer` inside the
+    block; the timer is removed on exit, also when the block fails."""
+    if group is None:
+        yield
+        return
+    key = id(group)
+    if key in _TIMERS:
+        raise RuntimeError("the collectives of this process group are already being timed")
+    _TIMERS[key] = (group, timer)  # the group is held so that its id cannot be reused meanwhile
+    try:
+        yield
+    finally:
+        del _TIMERS[key]
+
+
+def _timed(group: ProcessGroup) -> contextlib.AbstractContextManager:
+    entry = _TIMERS.get(id(group))
+    return entry[1].part(COLLECTIVE) if entry is not None else contextlib.nullcontext()
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous().clone()
-    dist.all_reduce(x, op=op, group=group)
+    with _timed(group):
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -26,7 +63,8 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     world = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _ALL_GATHER(out, x, group=group)
+    with _timed(group):
+        _ALL_GATHER(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -35,7 +73,8 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Ten
     assert x.shape[dim] % world == 0, f"dim {dim} of {tuple(x.shape)} does not split over {world} ranks"
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _REDUCE_SCATTER(out, x, group=group)
+    with _timed(group):
+        _REDUCE_SCATTER(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -154,6 +193,16 @@ def split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def gather_last_dim(x: torch.Tensor, group: ProcessGroup, sizes: list[int]) -> torch.Tensor:
     """Concatenate every rank's last-dim shard (rank r holds `sizes[r]` entries)."""
     return _GatherLastDim.apply(x, group, sizes)
+
+
+def all_gather_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order (no gradient)."""
+    return _all_gather(x, group, dim)
+
+
+def reduce_scatter_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """Sum over `group` and keep this rank's block of `dim` (no gradient)."""
+    return _reduce_scatter(x, group, dim)
 
 
 def all_reduce_max(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

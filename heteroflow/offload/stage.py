@@ -12,7 +12,8 @@
         offload.step(lr)                                   # streamed AdamW; parameters updated in place / in their tier
     offload.close()                                        # also on failure: use it as a context manager
 
-`decays(param)` picks the parameters weight decay applies to (default: all).
+`decays(param)` picks the parameters weight decay applies to (default: all). `swap_label` names the rank in
+its swap directory's name (the runtime passes its stage, dp, cp and tp indices).
 
 Groups: block i is `block{i}` (parameters in `block.parameters()` order), then each `other_params`
 group in the order given. Use the same order for a reference optimizer to compare bit for bit.
@@ -43,7 +44,8 @@ class StageOffload:
                  other_params: Mapping[str, Sequence[nn.Parameter]] | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  checkpoint_dirs: Iterable[str] = (), adam_impl: str | None = None,
-                 budget: DeviceBudget | None = None, decays: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 budget: DeviceBudget | None = None, decays: Callable[[torch.Tensor], bool] | None = None,
+                 swap_label: str = "") -> None:
         self.policy, self.device = policy, device
         self.budget = budget if budget is not None else DeviceBudget(policy.device_budget_bytes)
         self.blocks = list(blocks)
@@ -61,7 +63,7 @@ class StageOffload:
         try:
             if policy.uses_ssd:
                 assert policy.swap_root is not None
-                self.swap = SwapDir(policy.swap_root, checkpoint_dirs=checkpoint_dirs)
+                self.swap = SwapDir(policy.swap_root, checkpoint_dirs=checkpoint_dirs, label=swap_label)
                 self.swap.check_free(self._swap_bytes(groups))  # before anything is written
             # Separate staging pools: parameter fetches and optimizer chunks differ in size and rhythm.
             self.param_store = TieredStore(device=device, budget=self.budget, swap=self.swap,

@@ -7,14 +7,16 @@ Per stage (`StageSpec.offload`):
   clipping stay as they are: `StageOffload` underneath keeps the fp32 master weights and Adam moments in
   the optimizer tier and, with `params` off the device, fetches each Transformer block's parameters ahead
   of use and releases them after (embedding, final norm and head stay on the device: they are used at the
-  two ends only);
+  two ends only). With tp > 1 every tp rank does this for its own shards: the blocks are tp-sharded before
+  they go to the tier, so a rank stores, fetches and updates only its local slices;
 - `activations: cpu`: the saved activations of the stage's forward (with `recompute: full`, exactly the
   checkpointed block inputs) live in host memory (the runtime's pipeline wraps the forward in
   `heteroflow.offload.activations.activation_context`); alone, it keeps `DataParallelAdamW` (and ZeRO).
 
-Gradient arithmetic is the same as `DataParallelAdamW`'s: partial gradients summed over tp, micro-batch
-gradients accumulated in fp32 (here on the host, block by block as the backward produces them), then
-summed over the stage's dp group, counted once in the global norm (tp-replicated values on tp rank 0,
+Gradient arithmetic is the same as `DataParallelAdamW`'s: micro-batch gradients accumulated in fp32 (here
+on the host, block by block as the backward produces them), partial gradients summed over tp (those of
+offloaded blocks in their host buffers, after the last micro-batch), then summed over the stage's dp group,
+counted once in the global norm (tp-replicated values on tp rank 0,
 dp replicas on dp rank 0, the head copy of a tied embedding on the first stage), AdamW with decay on
 matrices only (`heteroflow.optim.adamw_step` under both). In fp32 with `HETEROFLOW_CPU_ADAM=torch` a plan
 trains bit for bit as without offload; with DeepSpeedCPUAdam within 1e-6 relative.
@@ -26,8 +28,7 @@ the tiers. So a run can resume with or without offload, under any plan.
 
 Not run (refused with a `UserError` naming the stage, before launch by `check_offload_plan` and again when
 the optimizer is built): ZeRO (`zero > 0`) together with an offloaded optimizer or offloaded parameters
-(the offloaded state is not sharded over dp; it has left the device anyway), and `params` offload with
-tp > 1 (blocks are fetched as whole, unsharded parameters).
+(the offloaded state is not sharded over dp; it has left the device anyway).
 """
 
 from __future__ import annotations
@@ -70,10 +71,6 @@ def check_offload_stage(k: int, stage: StageSpec) -> None:
         raise UserError(f"plan.stages[{k}]: zero {stage.layout.zero} together with offload {{{tiers}}} is not run: "
                         "offloaded optimizer state and parameters are not sharded over dp; use zero: 0 on this "
                         "stage (its state leaves the device anyway) or keep optimizer and params on the device")
-    if stage.layout.offload.params != "device" and stage.layout.tp > 1:
-        raise UserError(f"plan.stages[{k}]: offload params: {stage.layout.offload.params} needs tp: 1 (blocks are "
-                        f"fetched as whole, unsharded parameters), but the stage has tp {stage.layout.tp}; use tp: 1 "
-                        "with dp instead, or keep params on the device and offload only the optimizer")
 
 
 class OffloadedAdamW:
@@ -90,7 +87,7 @@ class OffloadedAdamW:
 
     def __init__(self, model: StageModel, *, policy: OffloadPolicy, device: Device, dp_group: dist.ProcessGroup | None,
                  tp_group: dist.ProcessGroup | None, betas: tuple[float, float], eps: float, weight_decay: float,
-                 checkpoint_dirs: list[str] = ()) -> None:
+                 checkpoint_dirs: list[str] = (), swap_label: str = "") -> None:
         self.model, self.policy, self.device = model, policy, device
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
@@ -113,9 +110,14 @@ class OffloadedAdamW:
                 continue
             self._counted.append((f"block{in_block[id(p)][0]}", in_block[id(p)][1]) if id(p) in in_block
                                  else ("rest", rest_index[id(p)]))
+        # Partial-over-tp gradients of offloaded blocks leave the device during the backward, so they are
+        # summed over tp in their host buffers (resident ones on the model, by all_reduce_partial_grads).
+        self._partial_offloaded = [] if policy.params == "device" or self.tp_group is None else [
+            (f"block{i}", j) for i, block in enumerate(blocks) for j, p in enumerate(block.parameters())
+            if shard_of(p).partial_grad]
         self.offload = StageOffload(policy, device=device, blocks=blocks, other_params={"rest": rest} if rest else {},
-                                    betas=betas, eps=eps, weight_decay=weight_decay,
-                                    checkpoint_dirs=checkpoint_dirs, decays=lambda p: p.dim() >= 2)
+                                    betas=betas, eps=eps, weight_decay=weight_decay, checkpoint_dirs=checkpoint_dirs,
+                                    decays=lambda p: p.dim() >= 2, swap_label=swap_label)
         if policy.params != "device":
             for p in rest:  # built on the host with the blocks (now in their tier); this part lives on the device
                 p.data = p.data.to(device.torch_device)
@@ -136,14 +138,26 @@ class OffloadedAdamW:
         """Sum partial grads over tp, take the device gradients into the optimizer tier, sum over dp."""
         all_reduce_partial_grads(self.model, self.tp_group)
         self.offload.collect_grads()
+        if self._partial_offloaded:
+            self._sum_offloaded_partial_grads()
         if self.dp > 1:
             for flat in self.offload.optimizer.flat_grads().values():
-                self._all_reduce(flat)
+                self._all_reduce(flat, self.dp_group)
 
-    def _all_reduce(self, flat: torch.Tensor) -> None:
-        """Sum `flat` over the dp group; host buffers go through the device when the backend needs it."""
-        if flat.device.type != "cpu" or dist.get_backend(self.dp_group) == "gloo":
-            dist.all_reduce(flat, group=self.dp_group)
+    def _sum_offloaded_partial_grads(self) -> None:
+        """Sum over tp the partial gradients of offloaded blocks, accumulated over the step's micro-batches."""
+        optimizer = self.offload.optimizer
+        optimizer.flat_grads()  # a block without gradients this step reads as zeros
+        views = [optimizer.grad_views(group)[j] for group, j in self._partial_offloaded]
+        flat = torch.cat([v.reshape(-1) for v in views])
+        self._all_reduce(flat, self.tp_group)
+        for view, part in zip(views, flat.split([v.numel() for v in views])):
+            view.copy_(part.view_as(view))
+
+    def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """Sum `flat` over `group`; host buffers go through the device when the backend needs it."""
+        if flat.device.type != "cpu" or dist.get_backend(group) == "gloo":
+            dist.all_reduce(flat, group=group)
             return
         budget = self.offload.budget
         for part in flat.split(_HOST_REDUCE_CHUNK_NUMEL):
@@ -151,7 +165,7 @@ class OffloadedAdamW:
             budget.charge(nbytes, "grads")
             try:
                 on_device = part.to(self.device.torch_device)
-                dist.all_reduce(on_device, group=self.dp_group)
+                dist.all_reduce(on_device, group=group)
                 part.copy_(on_device)
                 del on_device
             finally:
@@ -221,7 +235,8 @@ class OffloadedAdamW:
         """Budget and paths, for logs and tests."""
         budget, swap = self.offload.budget, self.offload.swap
         return {"policy": self.policy.to_dict(), "limit_bytes": budget.limit_bytes, "peak_bytes": budget.peak_bytes,
-                "resident_bytes": budget.resident_bytes, "which": self.offload.which,
+                "peak_by_kind": dict(budget.peak_by_kind), "resident_bytes": budget.resident_bytes,
+                "which": self.offload.which,
                 "swap_dir": str(swap.path) if swap is not None else None}
 
     def describe(self) -> str:

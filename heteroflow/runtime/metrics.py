@@ -18,6 +18,16 @@ from typing import IO
 HEADER_VERSION = 1
 """Version of the header record's schema."""
 
+WARMUP_STEPS = 2
+WARMUP_FRACTION = 0.2
+"""A run's first steps that measure start-up rather than training: the first `WARMUP_STEPS` or the first
+`WARMUP_FRACTION` of its steps, whichever is more (left out by `heteroflow calibrate` and the stage table)."""
+
+
+def warmup_count(num_steps: int) -> int:
+    """How many of a run's `num_steps` steps are its warm-up."""
+    return max(WARMUP_STEPS, math.ceil(WARMUP_FRACTION * num_steps))
+
 
 def header_record(*, job: dict, plan: dict, emulate: bool, predicted_step_time_s: float | None) -> dict:
     """The header record of a run: the job (`JobConfig.to_dict()`) and plan (`PlanSpec.to_dict()`) as plain
@@ -75,6 +85,8 @@ class StepRecord:
     """The loss scale this step's loss was multiplied by (runs with loss scaling only)."""
     skipped: bool | None = None
     """Whether the step was skipped for an inf or nan gradient (runs with loss scaling only)."""
+    stages: list[dict] | None = None
+    """Per stage, measured and predicted seconds of this step by part (`runtime.stage_times`)."""
 
     def to_json(self) -> str:
         """One JSONL line (strict JSON: a non-finite figure is written as null)."""

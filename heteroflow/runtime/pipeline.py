@@ -5,6 +5,10 @@ for in the order they were started. A receive blocks when an action needs its da
 posted as soon as the previous receive of its direction arrived, so the transfer overlaps the compute
 in between. Every rank of a stage runs the same actions in the same order, so the collectives inside
 the stage line up.
+
+With a `PartTimer`, the step is timed by part: `forward` and `backward` around each action's compute (less
+the tp collectives timed inside, `collective`), `wait` around every receive and around sends that wait for
+buffer room or complete at the end: the time the stage is held up by its neighbours.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from heteroflow.backends import StageBoundary
+from heteroflow.devices.timing import PartTimer
 from heteroflow.layout.schedule import FORWARD, stage_actions
 from heteroflow.offload.activations import activation_context as tier_context
 from heteroflow.runtime.stage import StageRuntime
@@ -89,11 +95,18 @@ def receives_ahead(boundary: StageBoundary) -> bool:
     return boundary.link.backend == "gloo"
 
 
+FORWARD_PART, BACKWARD_PART, WAIT_PART = "forward", "backward", "wait"
+"""The `PartTimer` parts a pipeline step is timed as (with `models.tp_ops.COLLECTIVE` inside the first two)."""
+
+
 def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, global_tokens: int,
-                      loss_scale: float = 1.0) -> torch.Tensor:
+                      loss_scale: float = 1.0, timer: PartTimer | None = None) -> torch.Tensor:
     """Forward and backward every micro-batch; gradients accumulate in the model (already scaled by
     `loss_scale` / `global_tokens`, so they sum to `loss_scale` times the global-batch mean gradient).
-    Returns this rank's summed token loss (fp32, unscaled, zero except on the last stage)."""
+    Returns this rank's summed token loss (fp32, unscaled, zero except on the last stage). `timer` times
+    the parts (see the module docstring)."""
+    part: Callable[[str], contextlib.AbstractContextManager] = (
+        timer.part if timer is not None else lambda name: contextlib.nullcontext())
     num_stages = len(rt.plan.stages)
     actions = stage_actions(rt.plan.schedule, num_stages, rt.info.stage, len(micro_batches))
     inputs: dict[int, torch.Tensor] = {}
@@ -113,10 +126,12 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             if rt.is_first:
                 x = micro_batches[m].tokens.to(rt.device.torch_device)
             else:
+                with part(WAIT_PART):
+                    received = activations.take()
                 # The previous stage sent in its precision; this stage computes (and sends back) in its own.
-                x = activations.take().to(rt.activation_dtype).requires_grad_()
+                x = received.to(rt.activation_dtype).requires_grad_()
             inputs[m] = x
-            with autocast, activation_context(rt):
+            with part(FORWARD_PART), autocast, activation_context(rt):
                 if rt.is_last:
                     out = rt.model(x, labels=micro_batches[m].labels.to(rt.device.torch_device))
                     loss_sum += out.detach().float().cpu()
@@ -125,18 +140,26 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                     out = rt.model(x)
             outputs[m] = out
             if not rt.is_last:
-                forward_sends.start(rt.next.send_activation, out.detach().to(rt.activation_dtype))
+                sent = out.detach().to(rt.activation_dtype)
+                with part(WAIT_PART):
+                    forward_sends.start(rt.next.send_activation, sent)
         else:
             out = outputs.pop(m)
             if rt.is_last:
-                out.backward()
+                with part(BACKWARD_PART):
+                    out.backward()
             else:
-                grad = grads.take()
-                out.backward(grad.to(out.dtype))
+                with part(WAIT_PART):
+                    grad = grads.take()
+                with part(BACKWARD_PART):
+                    out.backward(grad.to(out.dtype))
             x = inputs.pop(m)
             if not rt.is_first:
-                backward_sends.start(rt.prev.send_grad, x.grad.to(rt.activation_dtype))
-    forward_sends.drain()
-    backward_sends.drain()
+                sent = x.grad.to(rt.activation_dtype)
+                with part(WAIT_PART):
+                    backward_sends.start(rt.prev.send_grad, sent)
+    with part(WAIT_PART):
+        forward_sends.drain()
+        backward_sends.drain()
     assert not inputs and not outputs, "every micro-batch must finish its backward"
     return loss_sum

@@ -17,7 +17,6 @@ def train_reference(job: JobConfig, *, steps: int, data_dir: str, micro_batch_si
                     init_from: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train `steps` steps in fp32 on this process; return the per-step losses and the final weights."""
     from heteroflow.data.builtin import open_train_data
-    from heteroflow.data.tokens import SampleOrder
     from heteroflow.models.init import init_weights
     from heteroflow.models.llama import build_stage_model
 
@@ -32,9 +31,8 @@ def train_reference(job: JobConfig, *, steps: int, data_dir: str, micro_batch_si
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
-    data = open_train_data(job, work_dir=data_dir)
-    order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
-                        shuffle=train.data.shuffle if train.data else True)
+    data = open_train_data(job, work_dir=data_dir, steps=steps)
+    order = data.order
     mbs = micro_batch_size or train.micro_batch_size
     global_tokens = train.global_batch_size * spec.seq_length
     losses = []

@@ -79,8 +79,9 @@ class StageRuntime:
             return
         if isinstance(self.optimizer, Zero3AdamW):
             self.optimizer.sync_tied_grads(self.tied_group)
-        else:
-            sync_tied_grads(self.model, group=self.tied_group, tp_rank=self.info.tp, dp_rank=self.info.dp)
+        else:  # cp ranks hold partial sums too: the total lands on one rank of the stage's cp x dp replicas
+            sync_tied_grads(self.model, group=self.tied_group, tp_rank=self.info.tp,
+                            dp_rank=self.info.dp * self.stage.layout.cp + self.info.cp)
 
     def close(self) -> None:
         """Free the offload stores and delete the swap files (idempotent; call also when the step failed)."""
@@ -103,7 +104,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     with torch.device("meta"):
         model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                   is_last=k == num_stages - 1)
-    parallelize_stage(model, layout=stage.layout, tp_group=groups.tp)
+    parallelize_stage(model, layout=stage.layout, tp_group=groups.tp, cp_group=groups.cp)
     # Offloaded blocks go to their tier from the host: the device never holds the whole stage.
     materialize(model, "cpu" if stage.layout.offload.params != "device" else device.torch_device)
     if init_from is not None:

@@ -17,6 +17,8 @@ from heteroflow.runtime.grad_faults import inject_grad_fault
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
+from heteroflow.runtime.stage_table import stage_table
+from heteroflow.runtime.stage_times import gather_stage_figures, rank_figures, stage_records
 from heteroflow.runtime.user_errors import TrainingDiverged, clear_user_error, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
@@ -37,6 +39,8 @@ class WorkerArgs:
     """Where the built-in corpus token file is written when the job names no data."""
     metrics_path: str | None = None
     predicted_step_time_s: float | None = None
+    predicted_stages: tuple[dict[str, float], ...] | None = None
+    """Per stage, the cost model's seconds per step by part and `step_s` (`stagemap.breakdown`), or None."""
     timeout_s: float = 600.0
     """Step limit (the watchdog reports a rank stuck in one step); collectives time out a little later."""
     return_state: bool = False
@@ -120,26 +124,33 @@ def _run_worker(args: WorkerArgs) -> WorkerResult:
 def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step and the losses."""
     from heteroflow.data.builtin import open_train_data
-    from heteroflow.data.tokens import SampleOrder, micro_batch_indices
+    from heteroflow.data.tokens import micro_batch_indices
+    from heteroflow.devices.timing import PartTimer
+    from heteroflow.models.tp_ops import timing_collectives
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
+    from heteroflow.models.context_parallel import all_reduce_cp_grads, split_sequence
 
     job, plan, train, info, groups, device = args.job, args.plan, args.job.train, rt.info, rt.groups, rt.device
     scaler = LossScaler.for_job(train, [stage.layout.compute_precision(train.precision) for stage in plan.stages])
     checkpoints = TrainCheckpoints(args, rt, groups, scaler=scaler)
     first_step = checkpoints.resume()
-    data = open_train_data(job, work_dir=args.data_dir)
-    order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
-                        shuffle=train.data.shuffle if train.data else True)
+    data = open_train_data(job, work_dir=args.data_dir, steps=args.steps)
+    order = data.order
     num_micro_batches = plan.num_micro_batches(train)
     global_tokens = train.global_batch_size * job.model.seq_length
-    counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
+    counts_loss = rt.is_last and info.tp == 0  # every cp rank's loss is that of its own tokens
+    cp = rt.stage.layout.cp
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
     writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
     progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
+    records: list[dict] = []  # rank 0: what it wrote, for the stage table at the end
+    timer = PartTimer(device.new_event)
+    tp_group = groups.tp if rt.stage.layout.tp > 1 else None
+    device_types = [stage.device_type for stage in plan.stages]
     where = f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}"
     # Every rank's step and heartbeat in the store: a rank waiting past the limit names those it waits for.
     watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank, where=where,
@@ -153,17 +164,29 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             for m in range(num_micro_batches):
                 share = micro_batch_indices(indices, micro_batch_size=plan.micro_batch_size, micro_batch=m,
                                             dp=rt.stage.layout.dp, dp_rank=info.dp)
-                micro_batches.append(MicroBatch(*data.batch(share)))
+                tokens, labels = data.batch(share)
+                micro_batches.append(MicroBatch(split_sequence(tokens, cp=cp, cp_rank=info.cp),
+                                                split_sequence(labels, cp=cp, cp_rank=info.cp)))
             scale = scaler.scale if scaler is not None else 1.0
-            loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale)
-            rt.sync_tied_grads()
+            with timing_collectives(tp_group, timer):
+                loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale,
+                                             timer=timer)
             inject_grad_fault(rt.model, rank, step)
-            rt.optimizer.reduce_grads()
+            with timer.part("dp"):
+                rt.sync_tied_grads()
+                if cp > 1:  # replicated weights saw only this rank's tokens: sum over cp, then over dp as always
+                    all_reduce_cp_grads(rt.model, groups.cp)
+                rt.optimizer.reduce_grads()
+            with timer.part("optimizer"):  # the norm share is the clipping's, priced with the optimizer step
+                norm_share = rt.optimizer.grad_sq_norm_share().float().cpu()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
-            totals = torch.stack([rt.optimizer.grad_sq_norm_share().float().cpu(),
-                                  loss_sum if counts_loss else torch.zeros(())])
-            dist.all_reduce(totals, group=groups.world)
+            # cp ranks hold the same gradients after the cp sum: one of them counts them.
+            if info.cp != 0:
+                norm_share = norm_share * 0  # keeps a nan or inf of this rank visible to all
+            totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(())])
+            with timer.part("sync"):
+                dist.all_reduce(totals, group=groups.world)
             grad_norm = math.sqrt(float(totals[0])) / scale  # of the unscaled gradients
             loss = float(totals[1]) / global_tokens
             skipped = not math.isfinite(grad_norm)
@@ -171,24 +194,31 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                 raise TrainingDiverged(_divergence_message(step, first_step, loss=loss, grad_norm=grad_norm))
             # As in Megatron, the schedule follows the updates applied: a skipped step does not advance it.
             lr = learning_rate(rt.optimizer.steps, train)
-            if not skipped:
-                clip = min(1.0, train.grad_clip / (grad_norm + 1e-6)) if train.grad_clip > 0 else 1.0
-                rt.optimizer.step(lr=lr, grad_scale=clip / scale)
-            rt.optimizer.zero_grad()
+            with timer.part("optimizer"):
+                if not skipped:
+                    clip = min(1.0, train.grad_clip / (grad_norm + 1e-6)) if train.grad_clip > 0 else 1.0
+                    rt.optimizer.step(lr=lr, grad_scale=clip / scale)
+                rt.optimizer.zero_grad()
             if scaler is not None:
                 scaler.update(skipped)
                 if scaler.stuck_overflows >= MAX_STUCK_OVERFLOWS:
                     raise TrainingDiverged(_overflow_message(step, scaler))
-            device.synchronize()
+            device.synchronize()  # also completes the timer's events
+            figures = rank_figures(timer.collect(), step_s=time.perf_counter() - started)
+            # A small world collective: every stage's figures to rank 0, which times the step after it.
+            measured = gather_stage_figures(figures, rank_map=groups.rank_map, group=groups.world, rank=rank)
             step_time = time.perf_counter() - started
             losses.append(loss)
             if rank == 0:
+                assert measured is not None
                 record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
                                     step_time_s=step_time, lr=lr, grad_norm=grad_norm,
                                     predicted_step_time_s=args.predicted_step_time_s,
                                     loss_scale=scale if scaler is not None else None,
-                                    skipped=skipped if scaler is not None else None)
+                                    skipped=skipped if scaler is not None else None,
+                                    stages=stage_records(measured, args.predicted_stages, device_types))
                 writer.write(record)
+                records.append({"step": step, "stages": record.stages})
                 if progress is not None:
                     progress.update(record)
             checkpoints.after_step(step)
@@ -196,6 +226,9 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
         watchdog.stop()
         if writer is not None:
             writer.close()
+    table = stage_table(records) if progress is not None else None
+    if table is not None:
+        print(table, flush=True)
     return first_step, losses
 
 

@@ -13,7 +13,12 @@ Overlap assumptions:
 - Per block, traffic that a prefetching runtime hides behind that block's compute is overlapped with it
   (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, ZeRO-2
   gradient reduce-scatters (every micro-batch), parameter fetches from CPU/SSD, activation offload to
-  CPU and back, and the context-parallel K/V ring (overlapped with the attention core only).
+  CPU and back.
+- Context parallelism (`models/cp_attention.py`): each block all-gathers K/V over cp before its attention
+  in the forward, and gathers them again and reduce-scatters their gradients in the backward, exposed
+  (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
+  tail, before the dp reduction. The backward's gathered K/V (repeated to the query heads) and their
+  fp32 gradients are transient memory of one block (`context_parallel_working_bytes`).
 - The tail of a step (DP gradient reduction for ZeRO 0/1, parameter all-gather after the step for ZeRO
   1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
   pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
@@ -26,7 +31,7 @@ Overlap assumptions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from heteroflow.config.model import ModelSpec
@@ -73,6 +78,34 @@ class StageHardware:
 
 
 @dataclass(frozen=True, slots=True)
+class StageComm:
+    """The exposed tp-collective seconds inside `StageCosts`' forward and backward figures (per layer, first-
+    and last-stage extras), and the dp gradient reduction's share of its tail (constant, per parameter)."""
+
+    fwd_layer_s: float
+    bwd_layer_s: float
+    fwd_first_s: float
+    bwd_first_s: float
+    fwd_last_s: float
+    bwd_last_s: float
+    dp_const_s: float
+    dp_per_param_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchParts:
+    """One stage's priced time split by part: forward and backward of one micro-batch (compute, and the
+    exposed tp collectives inside it; no boundary transfer) and the step's tail (dp reduction, optimizer)."""
+
+    forward_s: float
+    forward_comm_s: float
+    backward_s: float
+    backward_comm_s: float
+    dp_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class StageCosts:
     """Affine cost model of one stage under one layout and micro-batch size."""
 
@@ -89,6 +122,8 @@ class StageCosts:
     memory_total: Affine
     memory_parts: MemoryParts = field(repr=False, compare=False)
     layout: ParallelLayout = field(repr=False, compare=False)
+    comm: StageComm = field(repr=False, compare=False)
+    """The collective and dp-reduction shares of the figures above (`parts` splits a stage's time with them)."""
 
     @property
     def memory(self) -> MemoryModel:
@@ -110,6 +145,17 @@ class StageCosts:
     def memory_bytes(self, layers: int, in_flight: int, first: bool, last: bool) -> float:
         """Peak bytes per device, reserve included."""
         return self.memory_total.at(layers, in_flight, first, last)
+
+    def parts(self, layers: int, first: bool, last: bool) -> MicroBatchParts:
+        """`forward_s`, `backward_s` and `tail_s` split into compute, exposed tp collectives, dp reduction and
+        optimizer step: the split of the very figures the planner adds up, so the parts sum to them."""
+        c = self.comm
+        fwd_comm = layers * c.fwd_layer_s + c.fwd_first_s * first + c.fwd_last_s * last
+        bwd_comm = layers * c.bwd_layer_s + c.bwd_first_s * first + c.bwd_last_s * last
+        dp = c.dp_const_s + c.dp_per_param_s * self.params.at(layers, 0, first, last)
+        return MicroBatchParts(forward_s=self.forward_s(layers, first, last) - fwd_comm, forward_comm_s=fwd_comm,
+                               backward_s=self.backward_s(layers, first, last) - bwd_comm, backward_comm_s=bwd_comm,
+                               dp_s=dp, optimizer_s=self.tail_s(layers, first, last) - dp)
 
 
 def stage_costs(model: ModelSpec, hw: StageHardware, layout: ParallelLayout, micro_batch_size: int,
@@ -151,7 +197,7 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     """Apply ZeRO, recompute and offload to the shared part of a stage's costs."""
     compute_fwd = b.compute_fwd
     compute_bwd = b.compute_bwd
-    tp_bwd = b.tp_fwd
+    tp_bwd = b.tp_bwd
     if layout.recompute == "full":
         compute_bwd += compute_fwd
         tp_bwd += b.tp_fwd
@@ -182,11 +228,16 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     if layout.zero >= 3:
         emb_f, emb_b, head_f, head_b = (emb_f + b.zero3_extras[0], emb_b + b.zero3_extras[1],
                                         head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
-    tail_const, tail_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb, b.ob)
+    dp_const, dp_per_param, opt_const, opt_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb,
+                                                             b.ob)
+    comm = StageComm(fwd_layer_s=b.tp_fwd, bwd_layer_s=tp_bwd, fwd_first_s=b.comm_emb_f, bwd_first_s=0.0,
+                     fwd_last_s=b.comm_head_f, bwd_last_s=b.comm_head_b, dp_const_s=dp_const,
+                     dp_per_param_s=dp_per_param)
     return StageCosts(fwd_layer_s=fwd_layer, bwd_layer_s=bwd_layer, fwd_first_s=emb_f, bwd_first_s=emb_b,
-                      fwd_last_s=head_f, bwd_last_s=head_b, tail_const_s=tail_const, tail_per_param_s=tail_per_param,
+                      fwd_last_s=head_f, bwd_last_s=head_b, tail_const_s=dp_const + opt_const,
+                      tail_per_param_s=dp_per_param + opt_per_param,
                       params=b.params, memory_total=memory_total_from_parts(b.memory, layout),
-                      memory_parts=b.memory, layout=layout)
+                      memory_parts=b.memory, layout=layout, comm=comm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +253,12 @@ class _Base:
     attn_fwd: float
     activation_fn_s: float
     tp_fwd: float
+    tp_bwd: float
+    """The tp collectives of one block's backward (the adjoints of the forward's)."""
+    comm_emb_f: float
+    comm_head_f: float
+    comm_head_b: float
+    """The tp collectives inside emb_f, head_f and head_b."""
     dp_bw: float
     dp_lat: float
     p_layer: float
@@ -234,22 +291,22 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
     act_bytes = tokens * model.hidden_size * act
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
-    # Context parallelism: each rank passes its K/V chunk around the ring (twice in the backward).
+    # Context parallelism: all-gather of every rank's K/V chunk in the forward; gather again and
+    # reduce-scatter their gradients in the backward.
     kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * act
-    p2p, p2p_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
-    cp_fwd = (cp - 1) * kv_chunk / (p2p * 1e9) + (cp - 1) * p2p_lat if cp > 1 else 0.0
-    attn_fwd = max(lc.attention_s, cp_fwd)
-    attn_bwd = max(lc.attention_backward_s, 2 * cp_fwd)
+    cp_fwd = all_gather_s(cp * kv_chunk, cp, intra, intra_lat)
+    attn_fwd = lc.attention_s + cp_fwd
+    attn_bwd = lc.attention_backward_s + 2 * cp_fwd
     p_layer = layer_params_per_rank(model, tp)
     # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
     emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=act)
     head_f, head_b = head_s(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
-    emb_f += all_reduce_s(act_bytes, tp, intra, intra_lat)
+    comm_emb_f = all_reduce_s(act_bytes, tp, intra, intra_lat)
     if sp:
-        head_f += all_gather_s(act_bytes, tp, intra, intra_lat)
-        head_b += all_gather_s(act_bytes, tp, intra, intra_lat)
+        comm_head_f = comm_head_b = all_gather_s(act_bytes, tp, intra, intra_lat)
     else:
-        head_b += all_reduce_s(act_bytes, tp, intra, intra_lat)
+        comm_head_f, comm_head_b = 0.0, all_reduce_s(act_bytes, tp, intra, intra_lat)
+    emb_f, head_f, head_b = emb_f + comm_emb_f, head_f + comm_head_f, head_b + comm_head_b
     p_emb, p_head = embedding_params_per_rank(model, tp), head_params_per_rank(model, tp, single_stage=False)
     # ZeRO-3: the embedding and the head are units of their own: gathered for forward; gathered again and
     # their fp32 gradients reduce-scattered (the same ring traffic as an all-gather) in backward.
@@ -261,15 +318,33 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
                  compute_fwd=lc.gemm_s + attn_fwd + lc.elementwise_s + lc.overhead_s,
                  compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + lc.overhead_backward_s,
-                 attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, dp_bw=dp_bw, dp_lat=dp_lat,
+                 attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
+                 comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
                  p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, dp, dp_bw, dp_lat),
                  scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat),
                  zero3_scatter_s=all_gather_s(p_layer * REDUCE_BYTES, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
-                 memory=memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
-                                     capacity_gib=dev.memory_gib))
+                 memory=_with_cp_working(memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
+                                                      capacity_gib=dev.memory_gib),
+                                         context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
+                                                                        dtype_bytes=act)))
+
+
+def context_parallel_working_bytes(model: ModelSpec, *, tokens: float, tp: int, cp: int, dtype_bytes: int) -> float:
+    """Transient bytes of one block's cp attention backward: the whole sequence's K and V, repeated to this
+    rank's query heads, and their fp32 gradients (0 without cp)."""
+    if cp == 1:
+        return 0.0
+    heads = model.num_attention_heads // tp * model.kv_channels
+    return 2 * tokens * cp * heads * (dtype_bytes + 4)
+
+
+def _with_cp_working(parts: MemoryParts, extra: float) -> MemoryParts:
+    if not extra:
+        return parts
+    return replace(parts, working={mode: bytes_ + extra for mode, bytes_ in parts.working.items()})
 
 
 def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[float, float]:
@@ -281,32 +356,42 @@ def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[flo
 
 
 def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float,
-          wb: int, gb: int, ob: int) -> tuple[float, float]:
-    """(constant seconds, seconds per parameter held by a device) of the step's tail."""
+          wb: int, gb: int, ob: int) -> tuple[float, float, float, float]:
+    """The step's tail as (constant seconds, seconds per parameter held by a device) of the dp gradient
+    reduction, then the same of the optimizer step (which, as the runtime's does, includes ZeRO's all-gather
+    of the updated parameters)."""
     dp = layout.dp
-    const = per_param = 0.0
+    dp_const = dp_per_param = opt_const = opt_per_param = 0.0
+    if layout.cp > 1:  # each cp rank's gradients are those of its tokens: summed over cp first
+        cp_gb_per_s, cp_latency_s = dev.tp_link()
+        dp_per_param += 2 * (layout.cp - 1) / layout.cp * gb / (cp_gb_per_s * 1e9)
+        dp_const += 2 * (layout.cp - 1) * cp_latency_s
     if dp > 1:
         ring = (dp - 1) / dp / (dp_bw * 1e9)
-        if layout.zero == 0:
-            per_param += 2 * ring * gb
-            const += 2 * (dp - 1) * dp_lat
-        elif layout.zero == 1:
-            per_param += ring * (gb + wb)
-            const += 2 * (dp - 1) * dp_lat
-        elif layout.zero == 2:
-            per_param += ring * wb
-            const += (dp - 1) * dp_lat
+        if layout.zero == 0:  # all-reduce of the gradients
+            dp_per_param += 2 * ring * gb
+            dp_const += 2 * (dp - 1) * dp_lat
+        elif layout.zero == 1:  # reduce-scatter of the gradients, all-gather of the parameters
+            dp_per_param += ring * gb
+            dp_const += (dp - 1) * dp_lat
+            opt_per_param += ring * wb
+            opt_const += (dp - 1) * dp_lat
+        elif layout.zero == 2:  # the reduce-scatter is overlapped with the backward
+            opt_per_param += ring * wb
+            opt_const += (dp - 1) * dp_lat
     shard = 1.0 / dp if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":
         flat = 0 if layout.zero >= 3 else FLAT_BUFFER_BYTES_PER_PARAM  # ZeRO-3 steps on its shards in place
-        per_param += (flat + shard * DEVICE_ADAM_BYTES_PER_PARAM) / (dev.hbm_gb_per_s * 1e9)
-        return const, per_param
+        opt_per_param += (flat + shard * DEVICE_ADAM_BYTES_PER_PARAM) / (dev.hbm_gb_per_s * 1e9)
+        return dp_const, dp_per_param, opt_const, opt_per_param
     host_adam = ADAM_BYTES_PER_PARAM / (dev.host_memory_gb_per_s / hw.node_count * 1e9)
-    per_param += shard * host_adam
+    opt_per_param += shard * host_adam
     if off.params == "device":  # gradients down, updated weights up
-        per_param += shard * (gb + wb) / (dev.host_link_gb_per_s * 1e9)
+        opt_per_param += shard * (gb + wb) / (dev.host_link_gb_per_s * 1e9)
     if off.optimizer == "ssd":
         read_bw, write_bw = _tier_bandwidth(dev, hw, "ssd")
-        per_param += shard * ob * (1 / (read_bw * 1e9) + 1 / (write_bw * 1e9))
-    return const, per_param
+        opt_per_param += shard * ob * (1 / (read_bw * 1e9) + 1 / (write_bw * 1e9))
+    if off.params == "ssd":  # the step writes the updated weights (this rank's tp shards) to their swap files
+        opt_per_param += shard * wb / (_tier_bandwidth(dev, hw, "ssd")[1] * 1e9)
+    return dp_const, dp_per_param, opt_const, opt_per_param

@@ -20,7 +20,8 @@ from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.emulation import build_hardware
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.memory import GIB, dtype_bytes
-from heteroflow.stagemap.pipeline import in_flight, pipeline_time, shared_makespan, simulate_shared
+from heteroflow.stagemap.breakdown import StageTimes, step_breakdown
+from heteroflow.stagemap.pipeline import in_flight
 from heteroflow.stagemap.profile import Profile, load_profile
 
 
@@ -49,6 +50,8 @@ class StageEstimate:
     memory_peak_gib: float
     memory_capacity_gib: float
     memory_gib: dict[str, float] = field(hash=False)
+    times: StageTimes | None = None
+    """This stage's share of the step time by part (`breakdown.step_breakdown`); set by `assemble`."""
 
     @property
     def fits(self) -> bool:
@@ -65,7 +68,8 @@ class StageEstimate:
                 "memory_gib": {k: round(v, 3) for k, v in self.memory_gib.items()},
                 "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "recv_forward_s": self.recv_forward_s, "recv_backward_s": self.recv_backward_s,
-                "tail_s": self.tail_s, "in_flight": self.in_flight, "fits": self.fits}
+                "tail_s": self.tail_s, "in_flight": self.in_flight, "fits": self.fits,
+                **({"step_parts_s": self.times.to_dict()} if self.times is not None else {})}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,39 +196,40 @@ def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: li
     """Combine per-stage costs into pipeline, step and memory figures. Emulated, the stages' threads
     (`threads_per_rank` per device) share `cores` cores."""
     p, m = len(plan.stages), plan.num_micro_batches(job.train)
-    fwd, bwd, tails, stages, problems = [], [], [], [], []
+    stages, problems, parts, recv_fwd, recv_bwd = [], [], [], [], []
     for k, ((first_layer, last_layer), stage, hw, c) in enumerate(zip(plan.layer_ranges(), plan.stages, hws, costs)):
         first, last, layers = k == 0, k == p - 1, stage.layers
-        recv_f = recv[k - 1] if k > 0 else 0.0
-        recv_b = recv[k] if k < p - 1 else 0.0
-        fwd.append(c.forward_s(layers, first, last) + recv_f)
-        bwd.append(c.backward_s(layers, first, last) + recv_b)
-        tails.append(c.tail_s(layers, first, last))
+        recv_fwd.append(recv[k - 1] if k > 0 else 0.0)
+        recv_bwd.append(recv[k] if k < p - 1 else 0.0)
+        parts.append(c.parts(layers, first, last))
         f = in_flight(plan.schedule, p, k, m)
         peak = c.memory_bytes(layers, f, first, last) / GIB
         est = StageEstimate(index=k, devices=stage.devices, device_type=stage.device_type,
                             num_devices=stage.num_devices, layers=(first_layer, last_layer), layout=stage.layout,
                             precision=hw.precision,
-                            forward_s=fwd[-1], backward_s=bwd[-1], recv_forward_s=recv_f, recv_backward_s=recv_b,
-                            tail_s=tails[-1], in_flight=f, memory_peak_gib=peak,
+                            forward_s=c.forward_s(layers, first, last) + recv_fwd[-1],
+                            backward_s=c.backward_s(layers, first, last) + recv_bwd[-1],
+                            recv_forward_s=recv_fwd[-1], recv_backward_s=recv_bwd[-1],
+                            tail_s=c.tail_s(layers, first, last), in_flight=f, memory_peak_gib=peak,
                             memory_capacity_gib=hw.device.memory_gib,
                             memory_gib=c.memory.components(layers, f, first, last))
         stages.append(est)
         if not est.fits:
             problems.append(memory_problem(job, est, hw, plan, first, last))
+    # The step time is the breakdown's: each stage's predicted parts sum to it.
+    threads = [hw.num_devices * threads_per_rank for hw in hws]
+    breakdown = step_breakdown(parts, recv_fwd, recv_bwd, m, plan.schedule,
+                               shared=(threads, cores) if emulate else None)
+    pipe, step = breakdown.pipeline_s, breakdown.step_s
+    stages = [replace(est, times=times) for est, times in zip(stages, breakdown.stages)]
     if emulate:
-        threads = [hw.num_devices * threads_per_rank for hw in hws]
-        pipe = simulate_shared(fwd, bwd, m, plan.schedule, threads=threads, cores=cores)
-        step = pipe + shared_makespan(tails, threads=threads, cores=cores)
         thread_peak = hws[0].device.peak_tflops * hws[0].device.share / threads_per_rank
         peak_flops = thread_peak * min(cores, sum(threads)) * 1e12
     else:
-        pipe = pipeline_time(fwd, bwd, m, plan.schedule)
-        step = pipe + max(tails)
         peak_flops = sum(hw.device.peak_tflops * hw.device.share * hw.num_devices for hw in hws) * 1e12
     tokens = job.train.global_batch_size * job.model.seq_length
     mfu = model_flops_per_sample(job.model) * job.train.global_batch_size / (step * peak_flops)
-    busy = sum(m * (f + b) for f, b in zip(fwd, bwd))
+    busy = sum(m * (s.forward_s + s.backward_s) for s in stages)
     return PlanEstimate(plan=plan, stages=tuple(stages), num_micro_batches=m, pipeline_time_s=pipe,
                         step_time_s=step, tokens_per_s=tokens / step, mfu=mfu,
                         bubble_fraction=max(0.0, 1.0 - busy / (p * pipe)), problems=tuple(problems), emulate=emulate)

@@ -11,7 +11,9 @@ fp32 gradient and the fp32 moments (`ZERO3_SHARD_BYTES`); gathered in the stage'
 units (the running block and the prefetched one; the embedding or head when larger), and while a unit's
 gradients are reduce-scattered, those gradients plus their fp32 copy in the reduce-scatter buffer.
 Offloading the optimizer removes its state from the device;
-offloading parameters leaves a window of two layers of weights and of gradients on the device.
+offloading parameters leaves a window of two layers of weights and of gradients on the device (each tp
+rank's shards: the block in use and the one prefetched), plus the weights and gradients of the embedding,
+final norm and head, which the runtime keeps on the device (`offload.stage_optimizer`).
 
 Activations stored per block and micro-batch, on one device holding `t` tokens (with flash attention,
 no dropout; h_e = h / tp with sequence parallelism, else h; q and kv the local query and key/value widths):
@@ -173,8 +175,9 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
         return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
 
     if off.params != "device":
-        weights = Affine(w0 * parts.wb, 0.0, 0.0, w1 * parts.wb, w2 * parts.wb, 0.0)
-        gradients = Affine(w0 * parts.gb, 0.0, 0.0, w1 * parts.gb, w2 * parts.gb, 0.0)
+        e1, e2, e3 = _offloaded_ends(parts, zero)
+        weights = Affine(w0 * parts.wb, 0.0, 0.0, e1 * parts.wb, e2 * parts.wb, e3 * parts.wb)
+        gradients = Affine(w0 * parts.gb, 0.0, 0.0, e1 * parts.gb, e2 * parts.gb, e3 * parts.gb)
     else:
         if zero >= 3:
             k = parts.wb / dp
@@ -222,6 +225,15 @@ def _zero3_state(parts: MemoryParts, dp: int) -> tuple[Affine, Affine, Affine]:
     return weights, gradients, shard(moment_b)
 
 
+def _offloaded_ends(parts: MemoryParts, zero: int) -> tuple[float, float, float]:
+    """Parameters on the device beyond the two-block window when parameters are offloaded: (first-stage,
+    last-stage, first-and-last correction). The runtime keeps embedding, final norm and head resident, tp
+    shards only; ZeRO-3 (priced, not run with offload) gathers them into the window like a block."""
+    if zero >= 3:
+        return max(0.0, parts.p_embed - parts.p_layer), max(0.0, parts.p_head - parts.p_layer), 0.0
+    return parts.p_embed, parts.p_head, parts.tied
+
+
 def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
     a test checks both agree)."""
@@ -235,9 +247,11 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
         const, per_layer, first, last, both = (const + state.const, state.per_layer, state.first, state.last,
                                                state.both)
     elif off.params != "device":
+        e1, e2, e3 = _offloaded_ends(parts, zero)
         const += w0 * (parts.wb + parts.gb)
-        first += w1 * (parts.wb + parts.gb)
-        last += w2 * (parts.wb + parts.gb)
+        first += e1 * (parts.wb + parts.gb)
+        last += e2 * (parts.wb + parts.gb)
+        both += e3 * (parts.wb + parts.gb)
     else:
         k = parts.wb / dp if zero >= 3 else parts.wb
         if zero >= 3:

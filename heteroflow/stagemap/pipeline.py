@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from heteroflow.layout.schedule import BACKWARD, FORWARD, in_flight, stage_actions, warmup_forwards
 
-__all__ = ["Event", "in_flight", "pipeline_time", "shared_makespan", "simulate", "simulate_shared"]
+__all__ = ["Event", "SharedRun", "in_flight", "pipeline_time", "run_shared", "shared_ends", "shared_makespan",
+           "simulate", "simulate_shared"]
 
 
 def pipeline_time(F: list[float], B: list[float], m: int, schedule: str) -> float:
@@ -127,12 +128,29 @@ def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, th
     """Makespan of one step's forward and backward passes when stage k keeps `threads[k]` threads busy while
     it computes and all stages share `cores` cores (see the module docstring). F and B include the
     receiver-paid transfer, as in `pipeline_time`."""
+    return run_shared(F, B, m, schedule, threads=threads, cores=cores).makespan_s
+
+
+@dataclass(frozen=True, slots=True)
+class SharedRun:
+    """`run_shared`'s result: the makespan and, per stage, the wall seconds its forwards and its backwards
+    ran (each slowed by the threads it shared the cores with)."""
+
+    makespan_s: float
+    forward_wall_s: tuple[float, ...]
+    backward_wall_s: tuple[float, ...]
+
+
+def run_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads: list[int],
+               cores: int) -> SharedRun:
+    """`simulate_shared`, also reporting how long each stage's operations ran in wall time."""
     p = len(F)
     orders = [stage_actions(schedule, p, k, m) for k in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     position = [0] * p
     left: list[float | None] = [None] * p
     """Seconds at full speed left of the operation stage k is running; None while it waits."""
+    wall = {FORWARD: [0.0] * p, BACKWARD: [0.0] * p}
     now = 0.0
     while True:
         for k in range(p):
@@ -153,6 +171,7 @@ def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, th
         now += step / speed
         for k in running:
             left[k] -= step
+            wall[orders[k][position[k]].kind][k] += step / speed
             if left[k] <= 1e-12 * max(1.0, step):
                 action = orders[k][position[k]]
                 kind, i = action.kind, action.micro_batch
@@ -160,13 +179,19 @@ def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, th
                 position[k] += 1
                 left[k] = None
     assert all(position[k] == len(orders[k]) for k in range(p)), "schedule deadlocked"
-    return now
+    return SharedRun(makespan_s=now, forward_wall_s=tuple(wall[FORWARD]), backward_wall_s=tuple(wall[BACKWARD]))
 
 
 def shared_makespan(durations: list[float], *, threads: list[int], cores: int) -> float:
     """When independent jobs that start together end, job k taking `durations[k]` with its `threads[k]`
     threads to itself and all of them sharing `cores` cores (processor sharing)."""
+    return max(shared_ends(durations, threads=threads, cores=cores), default=0.0)
+
+
+def shared_ends(durations: list[float], *, threads: list[int], cores: int) -> list[float]:
+    """When each of the jobs of `shared_makespan` ends."""
     left = [d for d in durations]
+    ends = [0.0] * len(durations)
     running = [k for k, d in enumerate(left) if d > 0]
     now = 0.0
     while running:
@@ -175,5 +200,6 @@ def shared_makespan(durations: list[float], *, threads: list[int], cores: int) -
         now += step / speed
         for k in running:
             left[k] -= step
+            ends[k] = now
         running = [k for k in running if left[k] > 1e-12 * max(1.0, step)]
-    return now
+    return ends

@@ -74,7 +74,7 @@ def test_job_without_train_data_uses_the_builtin_corpus(tmp_path):
     job = load_job(REPO / "configs/jobs/emulated-three-vendor.yaml")
     assert job.train.data is None
     data = open_train_data(job, work_dir=tmp_path)
-    assert data.seq_length == job.model.seq_length and data.num_samples > 500
+    assert data.samples.seq_length == job.model.seq_length and data.num_samples > 500
 
 
 def test_job_with_train_data_reads_that_file(tmp_path):
@@ -84,4 +84,4 @@ def test_job_with_train_data_reads_that_file(tmp_path):
     raw["train"]["data"] = {"path": str(tmp_path / "tokens.bin"), "dtype": "uint32", "shuffle": False}
     job = parse_job(raw, base_dir=str(jobs))
     data = open_train_data(job, work_dir=tmp_path)
-    assert data.num_samples == 1499 // job.model.seq_length and data.sample(1)[0] == job.model.seq_length
+    assert data.num_samples == 1499 // job.model.seq_length and data.samples.sample(1)[0] == job.model.seq_length

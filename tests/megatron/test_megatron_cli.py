@@ -35,7 +35,7 @@ def test_without_output_the_job_goes_to_stdout_and_the_report_to_stderr():
     assert result.returncode == 0, result.stderr
     job = yaml.safe_load(result.stdout)
     assert job["model"]["num_layers"] == 96 and len(job["plan"]["stages"]) == 16
-    assert job["train"]["data"]["path"] == "/data/pile_text_document.bin"
+    assert job["train"]["data"] == {"prefixes": ["/data/pile_text_document"], "split": "949,50,1"}
     assert "Every argument:" in result.stderr and "Every argument:" not in result.stdout
 
 

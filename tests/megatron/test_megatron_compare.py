@@ -11,7 +11,8 @@ from conftest import REPO
 def test_compare_prices_both_plans_side_by_side(tmp_path):
     result = subprocess.run([sys.executable, "-m", "heteroflow", "import-megatron",
                              "tests/megatron/scripts/train_llama3_8b_h100_fp8.sh", "--cluster",
-                             "configs/clusters/nvidia-ascend.yaml", "--compare", "-o", str(tmp_path / "job.yaml")],
+                             "configs/clusters/nvidia-ascend.yaml", "--nnodes", "1", "--nproc-per-node", "8",
+                             "--compare", "-o", str(tmp_path / "job.yaml")],
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr
     out = result.stdout

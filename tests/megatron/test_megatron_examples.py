@@ -7,6 +7,7 @@ import pytest
 from heteroflow.config import load_job
 from heteroflow.errors import UserError
 from heteroflow.megatron import ImportOptions, MegatronRuleError, import_megatron
+from heteroflow.megatron.versions import parse_version
 from megatron_helpers import SCRIPTS, entry
 
 GPT3 = SCRIPTS / "train_gpt3_175b_distributed.sh"
@@ -58,8 +59,10 @@ def test_gpt3_positional_parameters_feed_the_data_path():
     result = import_megatron(GPT3, ImportOptions(device_type="nvidia-a100-80g",
                                                  script_args=("ckpt", "tb", "vocab.json", "merges.txt",
                                                               "/data/pile_text_document")))
-    assert result.job.train.data.path == "/data/pile_text_document.bin"
-    assert result.job.train.data.dtype == "uint16"
+    data = result.job.train.data
+    assert data.prefixes == ("/data/pile_text_document",) and data.weights is None and data.split == "949,50,1"
+    assert data.dtype is None  # read from the .idx
+    assert entry(result, "--split").disposition == "mapped"
     assert entry(result, "--save").value == "ckpt"
     assert not any("positional parameter" in n for n in result.report.script_notes)
 
@@ -91,7 +94,7 @@ def test_llama3_arrays_conditionals_and_fp8():
     m = job.model
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_kv_heads, m.head_dim) == (32, 4096, 14336, 8, 128)
     assert (m.rope_theta, m.normalization, m.activation, m.tie_embeddings) == (500000.0, "rmsnorm", "swiglu", False)
-    assert m.vocab_size == 128512  # NullTokenizer: 128256 + EOD, padded to a multiple of 128 x tp 2
+    assert m.vocab_size == 128256  # NullTokenizer: exactly --vocab-size 128256 (current Megatron), a multiple of 128 x tp 2
     assert [(s.layout.tp, s.layout.dp, s.layout.sp, s.layout.zero, s.layers) for s in job.plan.stages] == [(2, 2, True, 1, 16)] * 2
     assert [s.devices for s in job.plan.stages] == [("node-0:0-3",), ("node-0:4-7",)]
     assert job.plan.micro_batch_size == 2 and job.train.precision == "bf16"
@@ -112,15 +115,22 @@ def test_llama3_real_data_branch_reads_the_tokenizer_and_data():
     result = import_megatron(LLAMA3, ImportOptions(device_type="nvidia-h100-sxm", script_args=(
         "ckpt", "tb", "meta-llama/Meta-Llama-3-8B", "/data/llama3_text_document")))
     assert result.job.model.vocab_size == 128256
-    assert result.job.train.data.path == "/data/llama3_text_document.bin"
-    assert result.job.train.data.dtype == "uint32"
+    assert result.job.train.data.prefixes == ("/data/llama3_text_document",)
+    assert result.job.train.data.split == "99,1,0"
     assert entry(result, "--tokenizer-type").value == "HuggingFaceTokenizer"
 
 
 def test_llama3_tp_from_the_environment_changes_the_layout():
     result = import_megatron(LLAMA3, ImportOptions(device_type="nvidia-h100-sxm", env={"TP_SIZE": "4"}))
     assert [(s.layout.tp, s.layout.dp) for s in result.job.plan.stages] == [(4, 1), (4, 1)]
-    assert result.job.model.vocab_size == 128512  # 128257 padded to a multiple of 512
+    assert result.job.model.vocab_size == 128512  # 128256 padded to a multiple of 128 x tp 4 = 512
+
+
+def test_llama3_null_tokenizer_vocabulary_follows_the_megatron_version():
+    older = ImportOptions(device_type="nvidia-h100-sxm", megatron_version=parse_version("0.17.1"))
+    assert import_megatron(LLAMA3, older).job.model.vocab_size == 128512  # 128256 + EOD = 128257, padded to 256
+    current = ImportOptions(device_type="nvidia-h100-sxm", megatron_version=parse_version("core_v0.18.0"))
+    assert import_megatron(LLAMA3, current).job.model.vocab_size == 128256
 
 
 # -- Mixtral 8x7B --------------------------------------------------------------------------------
@@ -194,7 +204,10 @@ def test_nemo_model_yaml():
     assert entry(result, "model.max_position_embeddings").value == "${.encoder_seq_length}"
     resolver = entry(result, "exp_manager.checkpoint_callback_params.model_parallel_size")
     assert "OmegaConf resolver" in resolver.detail
-    assert entry(result, "model.data.data_prefix").disposition == "approximated"
+    assert entry(result, "model.data.data_prefix").disposition == "mapped"
+    assert job.train.data.prefixes == ("/data/slimpajama/train_00_text_document",
+                                       "/data/slimpajama/train_01_text_document")
+    assert job.train.data.weights == (0.5, 0.5) and job.train.data.split == "990,8,2"
 
 
 def test_the_imported_jobs_validate_when_written(tmp_path):

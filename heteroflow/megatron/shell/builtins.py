@@ -19,12 +19,18 @@ class Shell(Protocol):
     def run_text(self, text: str, line: int, what: str) -> Truth:
         """Interpret a string as script text (`eval`, `bash -c`)."""
 
+    def source_file(self, name: str, args: list[Field], line: int) -> Truth:
+        """Read the file `source NAME` names and interpret it in this shell; None when it cannot be read."""
+
 
 class Exit(Exception):
     """`exit`: stop reading the script."""
 
-    def __init__(self, line: int):
+    def __init__(self, line: int, status: int | None = 0):
         self.line = line
+        self.status = status
+        self.unset: tuple[str, ...] = ()
+        """Never-set variables the `if` conditions around the `exit` read: what the user should pass."""
 
 
 class Return(Exception):
@@ -101,13 +107,28 @@ def _b_shell(interp: Shell, args: list[Field], node: Simple) -> Truth:
 
 def _b_source(interp: Shell, args: list[Field], node: Simple) -> Truth:
     target = args[0].text if args else ""
-    interp.env.note(f"`source {target}` is not followed; variables it sets are unknown here "
-                    "(pass them with --env NAME=VALUE)")
+    if args and args[0].known:
+        status = interp.source_file(target, args[1:], node.line)
+        if status is not None:
+            return status
+    interp.env.note(f"`source {target}` is not followed (the file cannot be found or read); variables it sets "
+                    "are unknown here (pass them with --env NAME=VALUE)")
     return True
 
 
 def _b_exit(interp: Shell, args: list[Field], node: Simple) -> Truth:
-    raise Exit(node.line)
+    status = interp.env.last_status
+    if args:
+        status = int(args[0].text) if args[0].known and args[0].text.lstrip("-").isdigit() else None
+    raise Exit(node.line, status)
+
+
+def _b_which(interp: Shell, args: list[Field], node: Simple) -> Truth:
+    # `which srun` decides batch or interactive mode: read as run outside Slurm, where it is not found.
+    names = " ".join(a.text for a in args if not a.text.startswith("-"))
+    interp.env.note(f"`which {names}` is taken as not found (the script is read as run interactively, "
+                    "outside a scheduler)")
+    return False
 
 
 def _b_return(interp: Shell, args: list[Field], node: Simple) -> Truth:
@@ -133,5 +154,5 @@ BUILTINS = {
     "true": _b_true, ":": _b_true, "false": _b_false, "test": _b_test, "[": _b_bracket, "set": _b_set,
     "shift": _b_shift, "unset": _b_unset, "eval": _b_eval, "bash": _b_shell, "sh": _b_shell,
     "source": _b_source, ".": _b_source, "exit": _b_exit, "return": _b_return, "break": _b_break,
-    "continue": _b_continue, "read": _b_read,
+    "continue": _b_continue, "read": _b_read, "which": _b_which,
 }

@@ -39,18 +39,21 @@ def _or(a: Truth, b: Truth) -> Truth:
     return None if None in (a, b) else False
 
 
-def _to_int(field: Field, env: Env) -> int | None:
+def _to_int(field: Field, env: Env, arithmetic: bool = False) -> int | None:
     if field.assumed is None:
         return None
     text = field.assumed.strip()
+    if arithmetic and text == "":
+        return 0  # `[[ $X -eq 0 ]]` evaluates its operands arithmetically: empty (unset X) is 0
     if re.fullmatch(r"[-+]?\d+", text):
         return int(text)
     return None
 
 
-def _binary(op: str, left: Field, right: Field, env: Env, *, pattern: bool = False) -> Truth:
+def _binary(op: str, left: Field, right: Field, env: Env, *, pattern: bool = False,
+            arithmetic: bool = False) -> Truth:
     if op in _INT_OPS:
-        a, b = _to_int(left, env), _to_int(right, env)
+        a, b = _to_int(left, env, arithmetic), _to_int(right, env, arithmetic)
         return None if a is None or b is None else _INT_OPS[op](a, b)
     a, b = left.assumed, right.assumed
     if a is None or b is None:
@@ -181,7 +184,7 @@ def evaluate_cond(items: tuple, env: Env) -> Truth:
             pos += 3
             quoted = isinstance(right_item, Word) and any(isinstance(p, Lit) and p.quoted for p in right_item.parts)
             return _binary(op_text, operand(first), operand(right_item), env,
-                           pattern=op_text in ("=", "==", "!=") and not quoted)
+                           pattern=op_text in ("=", "==", "!=") and not quoted, arithmetic=True)
         first_text = word_text(first)
         if first_text and first_text.startswith("-") and len(first_text) == 2 and pos + 1 < len(items):
             pos += 2

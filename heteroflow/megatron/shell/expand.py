@@ -8,11 +8,15 @@ string: the importer can then say exactly which value is missing and how to supp
 from __future__ import annotations
 
 import fnmatch
+import posixpath
 import re
 from dataclasses import dataclass, field
 
 from heteroflow.megatron.shell import arith
+from heteroflow.megatron.shell.errors import ShellSyntaxError
 from heteroflow.megatron.shell.lexer import Arith, CmdSub, Lit, Param
+from heteroflow.megatron.shell.nodes import Simple
+from heteroflow.megatron.shell.parser import parse_script
 
 _BLANKS = re.compile(r"[ \t\n]+")
 
@@ -75,6 +79,10 @@ class Env:
     vars: dict[str, Var] = field(default_factory=dict)
     positionals: list[Field] = field(default_factory=list)
     script_name: str = "script.sh"
+    cwd: str = "."
+    """The directory the script is taken to run in (`pwd`): the script's own directory."""
+    last_status: int | None = 0
+    """`$?`: the status of the last command; None when not known (a program that is not run)."""
     notes: list[str] = field(default_factory=list)
     missing: dict[str, int] = field(default_factory=dict)
     """Unset variables / positional parameters that were expanded, with the first line."""
@@ -99,6 +107,9 @@ class Env:
             return Var(list(self.positionals), is_array=True)
         if name == "#":
             return Var([Field(str(len(self.positionals)))])
+        if name == "?":
+            known = self.last_status is not None
+            return Var([Field(str(self.last_status)) if known else Field.unknown("$?")])
         return self.vars.get(name)
 
     def set_scalar(self, name: str, value: Field) -> None:
@@ -175,9 +186,61 @@ def _pieces(parts, env: Env) -> list[_Piece]:
         elif isinstance(part, Arith):
             pieces.append(_arith(part, env))
         elif isinstance(part, CmdSub):
+            value = path_substitution(part.source, env)
+            if value is not None:
+                pieces.append(_Piece(value, split=not part.quoted))
+                continue
             env.note(f"command substitution {part.source} is never run; its value is unknown")
             pieces.append(_unknown_piece(part.source))
     return pieces
+
+
+def _inner_text(source: str) -> str:
+    return source[2:-1] if source.startswith("$(") else source.strip("`")
+
+
+def path_substitution(source: str, env: Env) -> str | None:
+    """The value of a command substitution that only computes a path (`pwd`, `dirname X`, `basename X`,
+    `realpath X`, `readlink -f X`, `cd X && pwd`), None for any other: those never touch the disk."""
+    inner = _inner_text(source).strip()
+    match = re.fullmatch(r"cd\s+(.+?)\s*(&&|;)\s*pwd(\s+-P)?", inner, re.S)
+    if match:
+        target = _words_of(match.group(1), env)
+        return None if target is None or len(target) != 1 else posixpath.normpath(
+            posixpath.join(env.cwd, target[0]))
+    words = _words_of(inner, env)
+    if not words:
+        return None
+    name, args = words[0], [w for w in words[1:] if not w.startswith("-")]
+    if name == "pwd" and not args:
+        return env.cwd
+    if len(args) != 1:
+        return None
+    if name == "dirname":
+        return posixpath.dirname(args[0].rstrip("/")) or "."
+    if name == "basename":
+        return posixpath.basename(args[0].rstrip("/"))
+    if name in ("realpath", "readlink") and (name == "realpath" or "-f" in words):
+        return posixpath.normpath(posixpath.join(env.cwd, args[0]))
+    return None
+
+
+def _words_of(text: str, env: Env) -> list[str] | None:
+    """The words of a one-command text, expanded; None when it is not one known simple command."""
+    if any(c in text for c in ";|&<>\n"):
+        return None
+    try:
+        tree, _ = parse_script(text)
+    except ShellSyntaxError:
+        return None
+    items = getattr(tree, "items", ())
+    if len(items) != 1 or getattr(items[0], "rest", None) or len(getattr(items[0].first, "commands", ())) != 1:
+        return None
+    command = items[0].first.commands[0]
+    if not isinstance(command, Simple) or command.assigns:
+        return None
+    fields = expand_words(command.words, env)
+    return [f.text for f in fields] if all(f.known for f in fields) else None
 
 
 def _arith(part: Arith, env: Env) -> _Piece:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 from heteroflow.megatron.shell import arith
 from heteroflow.megatron.shell.builtins import BUILTINS, Exit, LoopControl, Return
@@ -28,6 +30,10 @@ from heteroflow.megatron.shell.parser import parse_script
 MAX_STEPS = 200_000
 MAX_LOOP_ITERATIONS = 10_000
 MAX_EVAL_DEPTH = 16
+MAX_SOURCED = 64
+_SBATCH_FLAGS = {"--exclusive", "--overcommit", "-O", "--parsable", "--requeue", "--no-requeue", "-H", "--hold",
+                 "-W", "--wait", "--test-only", "-v", "--verbose", "-Q", "--quiet", "--contiguous", "--spread-job"}
+"""sbatch options without a value."""
 _WRAPPERS = {"srun", "mpirun", "mpiexec", "env", "nohup", "time", "exec", "numactl", "taskset", "nice", "timeout",
              "stdbuf", "docker", "singularity", "apptainer", "enroot", "pdsh", "ssh", "sudo"}
 """Commands that run another command; `WRAPPER ... bash -c STRING` has STRING read as script text."""
@@ -62,13 +68,21 @@ class ScriptRun:
     variables: dict[str, Var] = field(default_factory=dict)
     exited_at: int | None = None
     """Line of an `exit` the interpretation stopped at."""
+    exit_status: int | None = 0
+    exit_unset: tuple[str, ...] = ()
+    """Never-set variables read by the conditions that led to the `exit`."""
+    sourced: tuple[str, ...] = ()
+    """Files read by `source`, `.` and `sbatch`."""
 
 
 class Interpreter:
     """Walks the syntax tree, keeping variables in an `Env`."""
 
-    def __init__(self, env: Env):
+    def __init__(self, env: Env, read_file: Callable[[str], tuple[str, str] | None] | None = None):
         self.env = env
+        self.read_file = read_file
+        """Finds a file a script names (`source`, `sbatch`): (path, text), or None."""
+        self.sourced: list[str] = []
         self.commands: list[Command] = []
         self.functions: dict[str, object] = {}
         self.steps = 0
@@ -83,17 +97,17 @@ class Interpreter:
         """Interpret a whole script."""
         tree, notes = parse_script(text)
         self.env.notes.extend(notes)
-        exited = None
+        exited, status, unset = None, 0, ()
         try:
             self.run(tree)
         except Exit as stop:
-            exited = stop.line
+            exited, status, unset = stop.line, stop.status, stop.unset
         except Return:
             pass
         except LoopControl:
             pass
         return ScriptRun(tuple(self.commands), tuple(self.env.notes), dict(self.env.missing), dict(self.env.vars),
-                         exited)
+                         exited, status, unset, tuple(self.sourced))
 
     # -- dispatch --------------------------------------------------------------------------------
     def run(self, node) -> Truth:
@@ -143,14 +157,20 @@ class Interpreter:
         return status
 
     def _if(self, node: If) -> Truth:
+        read: list[str] = []
         for (cond, body), (line, text) in zip(node.branches, node.text):
             status = self._condition(cond, line, text)
+            read += self.env.unset_read
             if status is None:
                 self.env.line = line
                 self.env.note(f"undecided condition `{text}`: taken as false (pass --env NAME=VALUE to decide it)")
                 continue
             if status:
-                return self.run(body)
+                try:
+                    return self.run(body)
+                except Exit as stop:
+                    stop.unset = tuple(dict.fromkeys(stop.unset + tuple(read)))
+                    raise
         if node.else_body is not None:
             return self.run(node.else_body)
         return True
@@ -259,11 +279,18 @@ class Interpreter:
             return self._call(name, args)
         handler = BUILTINS.get(name or "")
         if handler is not None:
-            return handler(self, args, node)
+            status = handler(self, args, node)
+            self.env.last_status = None if status is None else int(not status)
+            return status
+        self.env.last_status = 0
+        if name is not None and name.rsplit("/", 1)[-1] == "sbatch":
+            followed = self._sbatch(fields, line, node.heredoc)
+            if followed is not None:
+                return followed
         shell_at = None
         if fields[0].text.rsplit("/", 1)[-1] in _WRAPPERS:
             shell_at = next((j for j, f in enumerate(fields[1:], 1) if f.text.rsplit("/", 1)[-1] in ("bash", "sh")
-                             and j + 2 < len(fields) and fields[j + 1].text == "-c"), None)
+                             and _runs_string(fields[j + 1:])), None)
         if shell_at is not None:
             # `srun ... bash -c "torchrun ..."`: read the string, keeping the wrapper's words in front of
             # every command it runs so the launcher still sees `srun -N 4`.
@@ -277,6 +304,63 @@ class Interpreter:
         if self.in_condition and name not in _NOT_RUN_QUIETLY:
             self.env.note(f"`{' '.join(f.text for f in fields)[:80]}` is not run; assumed to succeed")
         return True
+
+    def _sbatch(self, fields: list[Field], line: int, heredoc: str | None) -> Truth:
+        """`sbatch [OPTIONS] SCRIPT [ARGS]` (or `sbatch <<EOF`): read the script with its `#SBATCH` lines as
+        options of the launch; None when it cannot be read (the command is then recorded as it is)."""
+        k = 1
+        while k < len(fields) and fields[k].text.startswith("-"):
+            text = fields[k].text
+            takes_value = "=" not in text and text not in _SBATCH_FLAGS
+            k += 2 if takes_value else 1
+        if k >= len(fields) and heredoc is not None:
+            path, text = "a here-document", heredoc
+        else:
+            if k >= len(fields) or not fields[k].known or self.read_file is None:
+                return None
+            found = self.read_file(fields[k].text)
+            if found is None:
+                return None
+            path, text = found
+            self.sourced.append(path)
+        directives = [w for d in re.findall(r"^#SBATCH[ \t]+(.*)$", text, re.M) for w in d.split("#")[0].split()]
+        saved = self.command_prefix, self.env.positionals
+        self.command_prefix = saved[0] + (Field("sbatch"),) + tuple(Field(w) for w in directives) + tuple(fields[1:k])
+        self.env.positionals = list(fields[k + 1:])
+        try:
+            return self._run_file(path, text, line, "sbatch")
+        finally:
+            self.command_prefix, self.env.positionals = saved
+
+    def source_file(self, name: str, args: list[Field], line: int) -> Truth:
+        """`source NAME ARGS`: interpret the file in this shell; None when it cannot be found."""
+        found = self.read_file(name) if self.read_file is not None else None
+        if found is None:
+            return None
+        path, text = found
+        self.sourced.append(path)
+        saved = self.env.positionals
+        if args:
+            self.env.positionals = list(args)
+        try:
+            return self._run_file(path, text, line, "source")
+        except Return:
+            return True
+        finally:
+            self.env.positionals = saved
+
+    def _run_file(self, path: str, text: str, line: int, what: str) -> Truth:
+        if len(self.sourced) > MAX_SOURCED:
+            raise ShellSyntaxError(f"line {line}: more than {MAX_SOURCED} files sourced (a file sourcing itself?)")
+        saved = self.env.vars.get("BASH_SOURCE")
+        self.env.vars["BASH_SOURCE"] = Var([Field(path)], is_array=True)
+        try:
+            return self.run_text(text, line, f"{what} {path}")
+        finally:
+            if saved is None:
+                self.env.vars.pop("BASH_SOURCE", None)
+            else:
+                self.env.vars["BASH_SOURCE"] = saved
 
     def _assign(self, assign: Assign) -> None:
         self.env.line = assign.line if self.line_override is None else self.line_override
@@ -337,6 +421,16 @@ class Interpreter:
             self.line_override = saved
 
 
+def _runs_string(words: list[Field]) -> bool:
+    """Whether the words after `bash` are options ending in `-c STRING` (`bash -x -c "..."`)."""
+    for k, word in enumerate(words):
+        if word.text == "-c":
+            return k + 1 < len(words)
+        if not word.text.startswith("-"):
+            return False
+    return False
+
+
 def _source_of(node: AndOr) -> str:
     """A short text for notes about an and-or list."""
     try:
@@ -351,9 +445,14 @@ def _parts_of(text: str) -> tuple:
 
 
 def run_script(text: str, *, args: list[str] | tuple[str, ...] = (), env: dict[str, str] | None = None,
-               script_name: str = "script.sh") -> ScriptRun:
-    """Interpret `text` with positional parameters `args` and variables `env` (nothing else is known)."""
-    state = Env(script_name=script_name, positionals=[Field(a) for a in args])
+               script_name: str = "script.sh", cwd: str = ".",
+               read_file: Callable[[str], tuple[str, str] | None] | None = None) -> ScriptRun:
+    """Interpret `text` with positional parameters `args` and variables `env` (nothing else is known).
+
+    `cwd` is what `pwd` gives; `read_file(name)` finds the files `source` and `sbatch` name.
+    """
+    state = Env(script_name=script_name, positionals=[Field(a) for a in args], cwd=cwd)
+    state.vars["BASH_SOURCE"] = Var([Field(script_name)], is_array=True)
     for name, value in (env or {}).items():
         state.vars[name] = Var([Field(value)])
-    return Interpreter(state).run_script(text)
+    return Interpreter(state, read_file).run_script(text)

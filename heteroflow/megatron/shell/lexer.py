@@ -8,7 +8,7 @@ does. Quotes, backslash escapes, line continuations, comments and here-documents
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from heteroflow.megatron.shell.errors import ShellSyntaxError
 
@@ -79,6 +79,8 @@ class Token:
     parts: tuple = ()
     adjacent: bool = False
     """No blank before this token (tells `NAME=(` array assignments from `NAME= (...)`)."""
+    heredoc: str | None = None
+    """On a here-document's delimiter word: the document's text (`sbatch <<EOF` reads it as its script)."""
 
     @property
     def plain(self) -> str | None:
@@ -97,7 +99,7 @@ class Lexer:
         self.i = 0
         self.line = 1
         self.out: list[Token] = []
-        self.pending_heredocs: list[tuple[str, bool]] = []
+        self.pending_heredocs: list[tuple[str, bool, int]] = []
         self.notes: list[str] = []
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -208,13 +210,14 @@ class Lexer:
         delimiter = self.text[start:self.i].replace("'", "").replace('"', "").replace("\\", "")
         if not delimiter:
             raise self._error("here-document without a delimiter")
-        self.pending_heredocs.append((delimiter, strip_tabs))
+        self.pending_heredocs.append((delimiter, strip_tabs, len(self.out)))
         # Emitted as the redirection's target word, so the parser drops it with the operator.
         self.out.append(Token("word", delimiter, self.line, parts=(Lit(delimiter, quoted=True),), adjacent=True))
 
     def _read_heredoc_bodies(self) -> None:
-        """Skip the bodies of here-documents opened on the line that just ended (they feed no launcher)."""
-        for delimiter, strip_tabs in self.pending_heredocs:
+        """Read the bodies of here-documents opened on the line that just ended onto their delimiter tokens."""
+        for delimiter, strip_tabs, index in self.pending_heredocs:
+            body: list[str] = []
             while self.i < len(self.text):
                 end = self.text.find("\n", self.i)
                 end = len(self.text) if end < 0 else end
@@ -222,6 +225,8 @@ class Lexer:
                 self._advance(end - self.i + (1 if end < len(self.text) else 0))
                 if (body_line.lstrip("\t") if strip_tabs else body_line) == delimiter:
                     break
+                body.append(body_line.lstrip("\t") if strip_tabs else body_line)
+            self.out[index] = replace(self.out[index], heredoc="\n".join(body) + "\n")
         self.pending_heredocs = []
 
     # -- words -----------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ class Simple:
     line: int
     decl_assigns: tuple[Assign, ...] = ()
     """Assignments given as arguments of export / declare / local / readonly / typeset."""
+    heredoc: str | None = None
+    """The text of a here-document fed to the command (`sbatch <<EOF ... EOF`)."""
 
 
 @dataclass(frozen=True, slots=True)

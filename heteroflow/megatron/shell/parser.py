@@ -152,7 +152,9 @@ class Parser:
         self._skip_redirections()
         return node
 
-    def _skip_redirections(self) -> None:
+    def _skip_redirections(self) -> str | None:
+        """Skip redirections; the text of a here-document among them, if any."""
+        heredoc = None
         while self._is_op(*_REDIRECTIONS) or (self.tok.kind == "word" and re.fullmatch(r"\d+", self.tok.text)
                                              and self.tokens[self.pos + 1].kind == "op"
                                              and self.tokens[self.pos + 1].text in _REDIRECTIONS
@@ -161,20 +163,23 @@ class Parser:
                 self._next()
             self._next()
             if self.tok.kind == "word":
+                heredoc = self.tok.heredoc if self.tok.heredoc is not None else heredoc
                 self._next()
+        return heredoc
 
     def _simple(self) -> Simple:
         line = self.tok.line
         assigns: list[Assign] = []
         decl: list[Assign] = []
         words: list[Word] = []
+        heredoc = None
         while True:
             tok = self.tok
             if self._is_op(*_REDIRECTIONS) or (tok.kind == "word" and re.fullmatch(r"\d+", tok.text)
                                               and self.tokens[self.pos + 1].kind == "op"
                                               and self.tokens[self.pos + 1].text in _REDIRECTIONS
                                               and self.tokens[self.pos + 1].adjacent):
-                self._skip_redirections()
+                heredoc = self._skip_redirections() or heredoc
                 continue
             if tok.kind != "word":
                 break
@@ -187,7 +192,7 @@ class Parser:
         if not assigns and not words and not decl:
             found = "end of file" if self.tok.kind == "eof" else repr(self.tok.text)
             raise ShellSyntaxError(f"line {self.tok.line}: expected a command, found {found}")
-        return Simple(tuple(assigns), tuple(words), line, tuple(decl))
+        return Simple(tuple(assigns), tuple(words), line, tuple(decl), heredoc)
 
     def _assignment(self) -> Assign | None:
         """An assignment word at the current token, or None when it is an ordinary word."""

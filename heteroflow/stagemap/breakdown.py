@@ -1,0 +1,94 @@
+"""`step_breakdown`: the predicted step time, and each stage's share of it by part.
+
+The planner's step time is built here (`estimate.assemble` calls it): the pipeline's makespan (closed form,
+or shared cores when emulated) plus the slowest stage's tail. Each stage's view of that step splits into the
+parts the runtime measures (`runtime.timing`), so that a metrics record can set the two side by side:
+
+- `forward_s`, `backward_s`: compute of its micro-batches' forwards and backwards (loss included);
+- `collective_s`: the exposed tp collectives inside them (the cp ring is priced as overlapped with attention);
+- `wait_s`: the rest of the pipeline's makespan, in which the stage waits on its neighbours: boundary
+  transfers and the pipeline bubble;
+- `dp_s`: the dp gradient reduction after the flush; `optimizer_s`: the optimizer step (with ZeRO's parameter
+  all-gather and any offload traffic);
+- `sync_s`: waiting for the slowest stage's tail (the global gradient norm synchronizes the stages).
+
+Every stage's parts sum to the step time. Emulated, each operation runs as long as the shared-core
+simulation says, and its parts keep their priced proportions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from heteroflow.stagemap.costs import MicroBatchParts
+from heteroflow.stagemap.pipeline import pipeline_time, run_shared, shared_ends
+
+PARTS = ("forward_s", "backward_s", "collective_s", "wait_s", "dp_s", "optimizer_s", "sync_s")
+"""The parts of a stage's step time, in the order tables show them."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Seconds of one optimizer step of one stage, by part (see the module docstring)."""
+
+    forward_s: float
+    backward_s: float
+    collective_s: float
+    wait_s: float
+    dp_s: float
+    optimizer_s: float
+    sync_s: float
+
+    @property
+    def total_s(self) -> float:
+        """The step time from this stage's view: the sum of its parts."""
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict[str, float]:
+        """`{part: seconds}` in `PARTS` order."""
+        return {name: getattr(self, name) for name in PARTS}
+
+
+@dataclass(frozen=True, slots=True)
+class StepBreakdown:
+    """The predicted step: pipeline makespan, step time, and every stage's parts of it."""
+
+    pipeline_s: float
+    step_s: float
+    stages: tuple[StageTimes, ...]
+
+
+def step_breakdown(parts: list[MicroBatchParts], recv_forward: list[float], recv_backward: list[float],
+                   num_micro_batches: int, schedule: str, *, shared: tuple[list[int], int] | None = None
+                   ) -> StepBreakdown:
+    """The step of stages priced at `parts` (per micro-batch, `StageCosts.parts`) that receive for `recv_forward[k]`
+    before each forward and `recv_backward[k]` before each backward, under `schedule`. `shared=(threads, cores)`:
+    stage k's ranks keep `threads[k]` threads busy and all share `cores` cores (emulation)."""
+    m = num_micro_batches
+    fwd = [p.forward_s + p.forward_comm_s + r for p, r in zip(parts, recv_forward)]
+    bwd = [p.backward_s + p.backward_comm_s + r for p, r in zip(parts, recv_backward)]
+    tails = [p.dp_s + p.optimizer_s for p in parts]
+    if shared is not None:
+        threads, cores = shared
+        run = run_shared(fwd, bwd, m, schedule, threads=threads, cores=cores)
+        pipe, fwd_wall, bwd_wall = run.makespan_s, run.forward_wall_s, run.backward_wall_s
+        tail_wall = shared_ends(tails, threads=threads, cores=cores)
+    else:
+        pipe = pipeline_time(fwd, bwd, m, schedule)
+        fwd_wall, bwd_wall, tail_wall = [m * f for f in fwd], [m * b for b in bwd], tails
+    step = pipe + max(tail_wall, default=0.0)
+    stages = []
+    for k, p in enumerate(parts):
+        f, b = _scale(fwd_wall[k], fwd[k]), _scale(bwd_wall[k], bwd[k])
+        t = _scale(tail_wall[k], tails[k])
+        busy = (p.forward_s + p.forward_comm_s) * f + (p.backward_s + p.backward_comm_s) * b
+        stages.append(StageTimes(forward_s=p.forward_s * f, backward_s=p.backward_s * b,
+                                 collective_s=p.forward_comm_s * f + p.backward_comm_s * b,
+                                 wait_s=pipe - busy, dp_s=p.dp_s * t, optimizer_s=p.optimizer_s * t,
+                                 sync_s=step - pipe - tail_wall[k]))
+    return StepBreakdown(pipeline_s=pipe, step_s=step, stages=tuple(stages))
+
+
+def _scale(wall_s: float, alone_s: float) -> float:
+    """How many wall seconds one priced second of an operation took (its count, times any slowdown)."""
+    return wall_s / alone_s if alone_s > 0 else 0.0
