@@ -264,9 +264,9 @@ def test_plan_auto_offloads_tp_shards_of_parameters_when_nothing_else_fits():
     from heteroflow.stagemap import RUNTIME_LAYOUTS, search_plan
     from heteroflow.stagemap.layout import OFFLOAD_CHOICES
 
-    # Llama-2 7B on one node of two 12 GiB cards: without ZeRO-3 (which shards the parameters over dp instead),
+    # Llama-2 7B on one node of two 7 GiB cards: without ZeRO-3 (which shards the parameters over dp instead),
     # only tp 2 with the parameters off the device fits.
-    cards = {"device_types": {"small-card": {"vendor": "ascend", "memory_gib": 12, "tflops_bf16": 200,
+    cards = {"device_types": {"small-card": {"vendor": "ascend", "memory_gib": 7, "tflops_bf16": 200,
                                              "intra_node_gb_per_s": 50}},
              "nodes": [{"name": "n0", "device": "small-card", "count": 2}]}
     job = parse_job({"cluster": cards, "model": {"preset": "llama2-7b", "seq_length": 1024},
