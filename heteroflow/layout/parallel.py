@@ -20,6 +20,16 @@ ACTIVATION_TIERS = ("device", "cpu")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+class MoEShape(Protocol):
+    """The mixture-of-experts attributes the layout rules and per-rank counts read (`config.MoESpec`)."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int
+    shared_expert_gate: bool
+
+
 class ModelShape(Protocol):
     """The model attributes the layout rules and per-rank counts read (`config.ModelSpec` provides them)."""
 
@@ -35,6 +45,9 @@ class ModelShape(Protocol):
     activation: str
     normalization: str
     position_embedding: str
+    moe: MoEShape | None
+
+    def is_moe_layer(self, layer: int) -> bool: ...
 
     @property
     def kv_channels(self) -> int: ...
@@ -114,6 +127,9 @@ class ParallelLayout:
         if self.sp and model.seq_length % (self.tp * self.cp):
             problems.append(LayoutProblem("sp", f"seq_length {model.seq_length} is not divisible by tp * cp = "
                                           f"{self.tp * self.cp}"))
+        if self.sp and model.moe is not None:  # routing and its aux loss would see a sequence chunk per rank
+            problems.append(LayoutProblem("sp", "sequence parallelism is not implemented for mixture-of-experts "
+                                          "models yet; set sp: false"))
         if micro_batch_size is not None and micro_batch_size % self.dp:
             problems.append(LayoutProblem("dp", f"dp {self.dp} does not divide micro_batch_size {micro_batch_size}; "
                                           "each dp rank takes an equal share of every micro-batch"))
@@ -176,6 +192,10 @@ def tp_problems(model: ModelShape, tp: int) -> list[LayoutProblem]:
         problems.append(LayoutProblem("tp", f"tp {tp} and num_kv_heads {model.num_kv_heads} must divide one another"))
     if model.ffn_hidden_size % tp:
         problems.append(LayoutProblem("tp", f"tp {tp} does not divide ffn_hidden_size {model.ffn_hidden_size}"))
+    moe = model.moe
+    for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+        if moe is not None and getattr(moe, name) % tp:
+            problems.append(LayoutProblem("tp", f"tp {tp} does not divide model.moe.{name} {getattr(moe, name)}"))
     return problems
 
 

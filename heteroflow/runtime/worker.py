@@ -126,6 +126,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     from heteroflow.data.builtin import open_train_data
     from heteroflow.data.tokens import micro_batch_indices
     from heteroflow.devices.timing import PartTimer
+    from heteroflow.models.moe import set_aux_loss_scale, take_aux_losses
     from heteroflow.models.tp_ops import timing_collectives
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
@@ -140,6 +141,9 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     num_micro_batches = plan.num_micro_batches(train)
     global_tokens = train.global_batch_size * job.model.seq_length
     counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
+    # Every tp rank computes the same routing; one copy of each layer's aux loss per dp rank counts.
+    counts_aux = info.tp == 0 and info.cp == 0
+    moe_layers_total = sum(job.model.is_moe_layer(i) for i in range(job.model.num_layers))
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
     writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
@@ -164,6 +168,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                                             dp=rt.stage.layout.dp, dp_rank=info.dp)
                 micro_batches.append(MicroBatch(*data.batch(share)))
             scale = scaler.scale if scaler is not None else 1.0
+            set_aux_loss_scale(rt.model, step_tokens=global_tokens, grad_scale=scale)
             with timing_collectives(tp_group, timer):
                 loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale,
                                              timer=timer)
@@ -177,11 +182,15 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                 norm_share = rt.optimizer.grad_sq_norm_share().float().cpu()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
-            totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(())])
+            aux_share = take_aux_losses(rt.model)
+            totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(()),
+                                  aux_share if counts_aux else torch.zeros(())])
             with timer.part("sync"):
                 dist.all_reduce(totals, group=groups.world)
             grad_norm = math.sqrt(float(totals[0])) / scale  # of the unscaled gradients
             loss = float(totals[1]) / global_tokens
+            # Mean over MoE layers of each layer's token-weighted aux loss (unscaled by the coefficient).
+            aux_loss = float(totals[2]) / moe_layers_total if moe_layers_total else None
             skipped = not math.isfinite(grad_norm)
             if not math.isfinite(loss) or (skipped and scaler is None):
                 raise TrainingDiverged(_divergence_message(step, first_step, loss=loss, grad_norm=grad_norm))
@@ -204,7 +213,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             losses.append(loss)
             if rank == 0:
                 assert measured is not None
-                record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
+                record = StepRecord(step=step, loss=loss, aux_loss=aux_loss,
+                                    tokens_per_s=global_tokens / step_time,
                                     step_time_s=step_time, lr=lr, grad_norm=grad_norm,
                                     predicted_step_time_s=args.predicted_step_time_s,
                                     loss_scale=scale if scaler is not None else None,

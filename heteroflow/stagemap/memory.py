@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 from heteroflow.config.model import ModelSpec
 from heteroflow.layout import ParallelLayout
-from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
-                                      layer_params_per_rank)
+from heteroflow.layout.shards import (active_ffn_width, embedding_params_per_rank, head_params_per_rank,
+                                      kv_heads_per_rank, layer_params_per_rank)
 
 GIB = float(1 << 30)
 RESERVE_GIB = 1.0
@@ -100,7 +100,7 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
     h, d = model.hidden_size, model.kv_channels
     h_e = h / tp if sp else h
     q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
-    f_loc = model.ffn_hidden_size / tp
+    f_loc = active_ffn_width(model) / tp
     up = 2 if model.activation == "swiglu" else 1
     if recompute == "full":
         return tokens * h_e * dtype_bytes
@@ -138,7 +138,7 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
               for rc in ("none", "selective", "full")}
     working = {"none": 0.0, "full": stored["none"],
                "selective": tokens * act * (model.num_attention_heads // tp * model.kv_channels
-                                           + model.ffn_hidden_size / tp)}
+                                           + active_ffn_width(model) / tp)}
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
                        logits=tokens * model.vocab_size / tp * LOGIT_BYTES,
                        reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob)
