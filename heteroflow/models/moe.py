@@ -88,14 +88,22 @@ class Experts(nn.ModuleDict):
     def forward(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x_TH)
         capacity = self.capacity(x_TH.shape[0])
+        # One stable sort groups the (token, slot) assignments by expert, each group in token order (so the
+        # first `capacity` of a group are its earliest tokens).
+        order = torch.argsort(indices_TK.flatten(), stable=True)
+        counts = torch.bincount(indices_TK.flatten(), minlength=self.num_experts).tolist()
+        starts = [0]
+        for count in counts:
+            starts.append(starts[-1] + count)
+        top_k = indices_TK.shape[1]
         for key, expert in self.items():
-            # Row-major order: the first `capacity` hits are the earliest tokens.
-            token, slot = torch.where(indices_TK == int(key))
-            if capacity is not None:
-                token, slot = token[:capacity], slot[:capacity]
+            j = int(key)
+            stop = starts[j + 1] if capacity is None else min(starts[j + 1], starts[j] + capacity)
+            assignment = order[starts[j]:stop]
+            token, slot = assignment // top_k, assignment % top_k
             # An expert without tokens still runs (on none), so its parameters get a zero gradient, not None.
             y = expert(x_TH[token]) * weights_TK[token, slot, None]
-            out = out.index_add(0, token, y.to(out.dtype))
+            out.index_add_(0, token, y.to(out.dtype))
         return out
 
 
