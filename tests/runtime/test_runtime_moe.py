@@ -1,5 +1,6 @@
 """A MoE model (dense first layer, gated shared expert, aux loss) on a 2-stage plan with tp 2 on one stage
-trains as the single-process reference does, and reports its aux loss next to the LM loss."""
+trains as the single-process reference does, and reports its aux loss next to the LM loss; a transformers
+Mixtral loaded with `init_from` gives transformers' first-step loss on one device and on that plan."""
 
 from __future__ import annotations
 
@@ -92,3 +93,39 @@ def test_aux_loss_coefficient_changes_training_not_the_loss_figure(tmp_path):
     assert loss0[0] == loss1[0]
     assert loss0[1] != loss1[1]
     assert not torch.equal(w0["layers.1.mlp.router.weight"], w1["layers.1.mlp.router.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [
+    {"schedule": "1f1b", "micro_batch_size": 4, "stages": [{"devices": ["npu-0"], "layers": 4}]},
+    PLAN,
+])
+def test_init_from_mixtral_first_step_loss_matches_transformers(tmp_path, plan):
+    """A random tiny Mixtral saved by transformers, loaded with `train.init_from` (experts split over tp on
+    the 2-stage plan), gives transformers' first-step loss on the same batch."""
+    transformers = pytest.importorskip("transformers")
+    from heteroflow.data.builtin import open_train_data
+
+    torch.manual_seed(11)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    hf = transformers.MixtralForCausalLM(config)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path / "mixtral", safe_serialization=True)
+    model = {"preset": "micro-llama", "ffn_hidden_size": 96, "rope_theta": 1000000.0,
+             "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 96, "aux_loss_coeff": 0.02}}
+    job = parse_job({"cluster": CLUSTER, "model": model, "plan": plan,
+                     "train": {**TRAIN, "steps": 1, "init_from": str(tmp_path / "mixtral")}})
+    data_dir = str(tmp_path / "data")
+    args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=1, data_dir=data_dir, show_progress=False,
+                      timeout_s=120)
+    loss = run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)[0].losses[0]
+    data = open_train_data(job, work_dir=data_dir, steps=1)
+    tokens, labels = data.batch(data.order.global_batch(0))
+    with torch.no_grad():
+        logits = hf.float().eval()(input_ids=tokens).logits
+    assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item(),
+                                 rel=1e-5)
