@@ -16,6 +16,14 @@ The SSD run actually holds 20 bytes per parameter across tiers (a separate fp32 
 gradients in CPU memory); both are printed. Activations are outside the bookkeeping in both runs.
 
     python benchmarks/bench_offload_capacity.py [--budget-mib 256] [--hidden 512] [--target 9]
+
+`--tp2` instead trains one tp 2 stage (two emulated ranks, the whole runtime: `run_worker`) three ways in
+alternating rounds: parameters and optimizer on the device (the baseline), both on cpu, both on ssd. Printed
+per variant: the device bytes of parameters + gradients per rank (measured: the offload bookkeeping's peak
+per kind; for the baseline, every local shard and its gradient, which it keeps throughout) next to the
+planner's figure (`stagemap.memory`), and the median step time after the first as a ratio to the baseline's.
+
+    python benchmarks/bench_offload_capacity.py --tp2 [--rounds 2] [--tp2-steps 4]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -97,6 +106,84 @@ def train_on_ssd(num: int, hidden: int, tokens: int, steps: int, budget: DeviceB
         return losses, seconds, offload.which
 
 
+TP2_MODEL = {"num_layers": 8, "hidden_size": 512, "ffn_hidden_size": 1376, "num_attention_heads": 8,
+             "num_kv_heads": 4, "vocab_size": 512, "seq_length": 256}
+TP2_OFFLOAD = {"device": {}, "cpu": {"optimizer": "cpu", "params": "cpu"}, "ssd": {"optimizer": "ssd", "params": "ssd"}}
+
+
+def _tp2_job(variant: str, steps: int, swap_root: str):
+    from heteroflow.config import parse_job
+
+    stage = {"devices": ["host:0-1"], "layers": TP2_MODEL["num_layers"], "tp": 2}
+    if TP2_OFFLOAD[variant]:
+        stage["offload"] = TP2_OFFLOAD[variant]
+    return parse_job({"cluster": {"nodes": [{"name": "host", "device": "cpu", "count": 2}]}, "model": TP2_MODEL,
+                      "train": {"global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32", "steps": steps,
+                                "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 1, "offload_dir": swap_root},
+                      "plan": {"micro_batch_size": 2, "stages": [stage]}})
+
+
+def _tp2_rank(rank: int, world_size: int, args) -> tuple[int, dict | None, float]:
+    """Train; (this rank's parameter elements, its offload report, its CPU seconds in the training loop)."""
+    import heteroflow.runtime.worker as worker
+
+    loop, spent = worker._train_steps, []
+
+    def timed(*a, **k):
+        started = time.process_time()
+        try:
+            return loop(*a, **k)
+        finally:
+            spent.append(time.process_time() - started)
+
+    worker._train_steps = timed  # this rank's process only: a benchmark's probe, not a hook of the runtime
+    result = worker.run_worker(args)
+    return sum(local.numel() for local, _ in result.state.values()), result.offload, spent[0]
+
+
+def tp2_params_offload(rounds: int, steps: int, swap_root: str, data_dir: str) -> None:
+    """The `--tp2` comparison (see the module docstring)."""
+    from heteroflow.runtime.metrics import read_step_records
+    from heteroflow.runtime.worker import WorkerArgs
+    from heteroflow.stagemap.memory import memory_model
+    from heteroflow.testing import run_ranks
+
+    times: dict[str, list[float]] = {v: [] for v in TP2_OFFLOAD}
+    cpu_s: dict[str, list[float]] = {v: [] for v in TP2_OFFLOAD}
+    measured: dict[str, int] = {}
+    for r in range(rounds):
+        for variant in TP2_OFFLOAD if r % 2 == 0 else reversed(TP2_OFFLOAD):
+            job = _tp2_job(variant, steps, swap_root)
+            metrics = Path(data_dir) / f"tp2-{variant}-{r}.jsonl"
+            args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=data_dir,
+                              show_progress=False, timeout_s=600, metrics_path=str(metrics), return_state=True)
+            ranks = run_ranks(_tp2_rank, 2, args, timeout_s=1200)
+            records = read_step_records(metrics)
+            step_s = [rec["step_time_s"] for rec in records[1:]]
+            times[variant] += step_s
+            numel, report, _ = ranks[0]
+            cpu_s[variant].append(sum(spent for _, _, spent in ranks) / steps)
+            measured[variant] = (8 * numel if report is None  # fp32 shards and gradients, all resident
+                                 else report["peak_by_kind"]["params"] + report["peak_by_kind"]["grads"])
+            which = report["which"] if report is not None else "-"
+            print(f"  round {r + 1} {variant:6s} step s: " + " ".join(f"{x:6.2f}" for x in step_s)
+                  + f"  CPU s per step (both ranks) {cpu_s[variant][-1]:.2f}  losses {records[0]['loss']:.4f} -> "
+                  f"{records[-1]['loss']:.4f}  [{which}]", flush=True)
+    base_s, base_cpu = statistics.median(times["device"]), statistics.median(cpu_s["device"])
+    print("variant  device bytes of params + grads per rank: measured / planner   median step s   vs device   "
+          "median CPU s   vs device")
+    for variant in TP2_OFFLOAD:
+        job = _tp2_job(variant, steps, swap_root)
+        stage = job.plan.stages[0]
+        priced = memory_model(job.model, stage.layout, tokens=job.plan.micro_batch_size * job.model.seq_length,
+                              precision="fp32", capacity_gib=80.0)
+        planned = (priced.weights.at(stage.layers, 1, True, True) + priced.gradients.at(stage.layers, 1, True, True))
+        med, cpu = statistics.median(times[variant]), statistics.median(cpu_s[variant])
+        print(f"{variant:8s} {measured[variant] / MIB:8.2f} MiB ({measured[variant] / measured['device']:.2f}x) / "
+              f"{planned / MIB:8.2f} MiB {'':14s} {med:8.2f}      {med / base_s:.2f}x   {cpu:12.2f}   "
+              f"{cpu / base_cpu:.2f}x")
+
+
 def _fmt(losses: list[float]) -> str:
     return " -> ".join(f"{x:.4f}" for x in losses)
 
@@ -109,7 +196,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--target", type=float, default=9.0, help="grow the SSD run to this x B")
     parser.add_argument("--dir", default=os.environ.get("HETEROFLOW_SWAP_DIR", tempfile.gettempdir()))
+    parser.add_argument("--tp2", action="store_true", help="compare params offload on a tp 2 stage instead")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tp2-steps", type=int, default=4)
     args = parser.parse_args()
+    if args.tp2:
+        print(f"one tp 2 stage, two emulated ranks: {TP2_MODEL}; 2 micro-batches x 2 x {TP2_MODEL['seq_length']} "
+              f"tokens, fp32, {args.tp2_steps} steps per run (first = warm-up), {args.rounds} alternating rounds")
+        with tempfile.TemporaryDirectory() as data_dir:
+            tp2_params_offload(args.rounds, args.tp2_steps, args.dir, data_dir)
+        return
     limit = args.budget_mib * MIB
     per_block = 8 * args.hidden**2 + 7 * args.hidden
     state = lambda n: 16 * n * per_block  # noqa: E731  (bytes of fp32 AdamW training state)

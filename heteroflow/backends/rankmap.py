@@ -140,8 +140,8 @@ class RankMap:
         """The replica sets of `stage`'s activations with more than one rank: each receives a piece once
         at a boundary and copies it to the others (its tp group, unless sequence parallel)."""
         lay = self.stages[stage].layout
-        probe = self.activation_layout(stage, (lay.dp, lay.cp * lay.tp, 1))  # any shape the splits divide
-        return [ranks for _, ranks in probe.blocks() if len(ranks) > 1]
+        probe = self.activation_layout(stage, (lay.dp, 2 * lay.cp * lay.tp, 1))  # any shape the splits divide
+        return [ranks for _, ranks in probe.shares() if len(ranks) > 1]
 
     def boundary_kind(self, stage: int) -> str:
         """`direct` or `bridge` for the boundary between `stage` and `stage + 1`."""

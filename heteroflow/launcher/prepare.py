@@ -123,13 +123,18 @@ def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = 
 
 def check_runnable(plan: PlanSpec) -> None:
     """Refuse what the planner prices but the runtime does not run yet."""
-    if any(stage.layout.cp != 1 for stage in plan.stages):
-        raise UserError("context parallelism (cp > 1) is priced by the planner but not run by the runtime yet; "
-                        "use cp: 1")
     check_offload_plan(plan)
-    if any(stage.layout.zero == 3 for stage in plan.stages):
-        raise UserError("ZeRO-3 is priced by the planner (`heteroflow plan --all-layouts`) but not run by the "
-                        "runtime yet; use zero: 0, 1 or 2, or let `heteroflow plan` (without --all-layouts) choose")
+    for k, stage in enumerate(plan.stages):
+        lay = stage.layout
+        if lay.cp > 1 and lay.offload.params != "device":
+            raise UserError(f"plan.stages[{k}]: cp {lay.cp} with offload params: {lay.offload.params} is not run yet: "
+                            "offloaded blocks hand their gradients to the optimizer tier during the backward, before "
+                            "they are summed over cp; keep params on the device (offload: {optimizer: cpu} works "
+                            "with cp) or use cp: 1")
+        if lay.cp > 1 and lay.zero == 3:
+            raise UserError(f"plan.stages[{k}]: cp {lay.cp} with zero: 3 is not run yet: the weights' gradients are "
+                            "summed over cp on whole tensors, ZeRO-3 keeps them sharded over dp; use zero: 1 or 2 "
+                            "with cp, or cp: 1")
 
 
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:

@@ -36,20 +36,27 @@ def swap_bytes(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> in
             model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                       is_last=k == len(plan.stages) - 1)
         chunk = OffloadPolicy.__dataclass_fields__["chunk_numel"].default
-        tp, replicated_kv = stage.layout.tp, replicates_kv_heads(job.model, stage.layout.tp)
-        numel = 0  # on one rank: matrices split over tp (one extra row or column for an uneven vocabulary)
-        for name, p in model.named_parameters():
-            whole = tp == 1 or p.dim() < 2 or (replicated_kv and name.endswith(("wk.weight", "wv.weight")))
-            numel += p.numel() if whole else -(-p.numel() // tp) + max(p.shape)
-        block_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+        numel = _rank_numel(job, model.named_parameters(), stage.layout.tp)
         per_rank = 0
         if off.optimizer == "ssd":  # fp32 master + 2 moments per chunk, each chunk file aligned
             per_rank += 12 * numel + 8192 * (numel // chunk + last - first + 2)
-        if off.params == "ssd":  # tp is 1 here (checked): each block's parameters, aligned
-            per_rank += block_bytes + 8192 * (last - first)
+        if off.params == "ssd":  # each block's parameters (this rank's tp shards), aligned
+            block_numel = _rank_numel(job, model.layers.named_parameters(), stage.layout.tp)
+            per_rank += block_numel * next(model.layers.parameters()).element_size() + 8192 * (last - first)
         ranks = sum(1 for ref in stage.device_refs if node is None or ref.node == node)
         total += per_rank * ranks
     return total
+
+
+def _rank_numel(job: JobConfig, named_params, tp: int) -> int:
+    """Elements one tp rank holds of `named_params` (an upper bound): matrices split over tp (plus one row or
+    column for an uneven vocabulary); vectors, and k/v projections when tp exceeds the kv heads, whole."""
+    replicated_kv = replicates_kv_heads(job.model, tp)
+    numel = 0
+    for name, p in named_params:
+        whole = tp == 1 or p.dim() < 2 or (replicated_kv and name.endswith(("wk.weight", "wv.weight")))
+        numel += p.numel() if whole else -(-p.numel() // tp) + max(p.shape)
+    return numel
 
 
 def check_swap_space(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> str | None:

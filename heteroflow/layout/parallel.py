@@ -124,12 +124,20 @@ class ParallelLayout:
             problems.append(LayoutProblem("devices", f"{num_devices} devices, but tp * cp * dp = {self.tp} * {self.cp} * "
                                           f"{self.dp} = {self.num_devices}; the layout must use exactly the stage's devices"))
         problems += tp_problems(model, self.tp)
-        if self.sp and model.seq_length % (self.tp * self.cp):
-            problems.append(LayoutProblem("sp", f"seq_length {model.seq_length} is not divisible by tp * cp = "
-                                          f"{self.tp * self.cp}"))
-        if self.sp and model.moe is not None:  # routing and its aux loss would see a sequence chunk per rank
-            problems.append(LayoutProblem("sp", "sequence parallelism is not implemented for mixture-of-experts "
-                                          "models yet; set sp: false"))
+        # cp cuts the sequence into 2 * cp chunks (causal load balancing), which sp splits again over tp
+        if self.cp > 1 and model.seq_length % (2 * self.cp):
+            problems.append(LayoutProblem("cp", f"seq_length {model.seq_length} is not divisible by 2 * cp = "
+                                          f"{2 * self.cp} (each cp rank holds two mirrored chunks)"))
+        elif self.sp and model.seq_length % (self.tp * (2 * self.cp if self.cp > 1 else 1)):
+            ways = self.tp * (2 * self.cp if self.cp > 1 else 1)
+            problems.append(LayoutProblem("sp", f"seq_length {model.seq_length} is not divisible by "
+                                          f"tp * {'2 * cp' if self.cp > 1 else 'cp'} = {ways}"))
+        # Routing and its aux loss would see a sequence chunk per rank (expert parallelism will revisit this).
+        if model.moe is not None and (self.sp or self.cp > 1):
+            key = "sp" if self.sp else "cp"
+            problems.append(LayoutProblem(key, f"{'sequence' if self.sp else 'context'} parallelism is not implemented "
+                                          f"for mixture-of-experts models yet; set {key}: "
+                                          f"{'false' if self.sp else '1'}"))
         if micro_batch_size is not None and micro_batch_size % self.dp:
             problems.append(LayoutProblem("dp", f"dp {self.dp} does not divide micro_batch_size {micro_batch_size}; "
                                           "each dp rank takes an equal share of every micro-batch"))

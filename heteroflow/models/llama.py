@@ -70,11 +70,13 @@ def make_norm(spec: ModelSpec, dim: int) -> nn.Module:
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [seq, head_dim], in the rotate-half layout, computed in fp32."""
+                dtype: torch.dtype, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [seq, head_dim], in the rotate-half layout, computed in fp32, for token
+    `positions` ([seq] integers; 0..seq_len-1 when None)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    freqs = torch.outer(positions.to(device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -116,6 +118,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.core = AttentionCore()
 
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """Positions of the `seq_len` tokens this module sees, or None for 0..seq_len-1 (a layout that
+        holds other tokens, such as context parallelism's chunks, overrides this)."""
+        return None
+
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         # Shapes come from the projections: under tensor/sequence parallelism they hold a subset of
         # the heads and the full sequence, whatever the input held.
@@ -127,7 +134,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
-            cos, sin = rope_tables(s, self.head_dim, self.rope_theta, q.device, q.dtype)
+            cos, sin = rope_tables(s, self.head_dim, self.rope_theta, q.device, q.dtype,
+                                   positions=self.positions(s, q.device))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -171,14 +179,19 @@ class OutputHead(nn.Module):
 
 
 class PositionEmbedding(nn.Module):
-    """Learned absolute positions; returns [seq, hidden] for positions 0..seq-1."""
+    """Learned absolute positions; returns [seq, hidden] for positions 0..seq-1 (or `positions`)."""
 
     def __init__(self, seq_length: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(seq_length, hidden_size))
 
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """As `Attention.positions`: None for 0..seq_len-1."""
+        return None
+
     def forward(self, seq_len: int) -> torch.Tensor:
-        return self.weight[:seq_len]
+        positions = self.positions(seq_len, self.weight.device)
+        return self.weight[:seq_len] if positions is None else self.weight[positions]
 
 
 class StageModel(nn.Module):

@@ -1,4 +1,4 @@
-"""Apply a stage's intra-operator layout (tp, sp, recompute) to a `StageModel`, in place.
+"""Apply a stage's intra-operator layout (tp, sp, cp, recompute) to a `StageModel`, in place.
 
 Layout contract (what the pipeline and the remap code rely on), for a stage with tp group of size T:
   * without sp, activations entering and leaving the stage are replicated over tp: every tp rank
@@ -7,7 +7,9 @@ Layout contract (what the pipeline and the remap code rely on), for a stage with
   * with sp, tp rank r gets and returns sequence chunk r ([batch, seq / T, hidden]) and its input
     gradient is the gradient of that chunk;
   * the first stage takes the full token ids on every tp rank; the last stage takes full labels and
-    returns the summed loss of the whole micro-batch share, equal on every tp rank.
+    returns the summed loss of the whole micro-batch share, equal on every tp rank;
+  * with cp, "full" above means this cp rank's two sequence chunks (`context_parallel.py`): token
+    ids, labels and activations hold those tokens only, and the loss is that of those tokens.
 
 What is split (Megatron-LM's scheme): wq / wk / wv / w1 / w3 by output rows (column-parallel), wo / w2
 by input columns (row-parallel), embedding and head by vocabulary rows (`vocab_parallel.py`, uneven
@@ -53,6 +55,7 @@ from torch.utils.checkpoint import checkpoint
 
 from heteroflow.layout import RECOMPUTE, ModelShape, ParallelLayout
 from heteroflow.layout.shards import heads_per_rank, kv_heads_per_rank, replicates_kv_heads
+from heteroflow.models.context_parallel import apply_context_parallel
 from heteroflow.models.ffn import FeedForward
 from heteroflow.models.llama import Attention, AttentionCore, Block, StageModel
 from heteroflow.models.moe import MoE
@@ -60,8 +63,10 @@ from heteroflow.models.shard import ParamShard, even_split, set_shard, shard_of
 from heteroflow.models.tp_ops import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 from heteroflow.models.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 
-def parallelize_stage(model: StageModel, *, layout: ParallelLayout, tp_group: ProcessGroup | None = None) -> StageModel:
-    """Shard `model` over `tp_group` per `layout` and set up recompute; returns the same module.
+def parallelize_stage(model: StageModel, *, layout: ParallelLayout, tp_group: ProcessGroup | None = None,
+                      cp_group: ProcessGroup | None = None) -> StageModel:
+    """Shard `model` over `tp_group`, split its sequence over `cp_group` per `layout` and set up recompute;
+    returns the same module.
 
     Works on real or meta parameters; values already present are sliced, so initializing before or
     after gives the same weights.
@@ -75,6 +80,11 @@ def parallelize_stage(model: StageModel, *, layout: ParallelLayout, tp_group: Pr
             raise ValueError(f"layout has tp {tp}, but the tp group has "
                              f"{None if tp_group is None else dist.get_world_size(tp_group)} ranks")
         _apply_tensor_parallel(model, tp_group, sp=layout.sp)
+    if layout.cp > 1:
+        if cp_group is None or dist.get_world_size(cp_group) != layout.cp:
+            raise ValueError(f"layout has cp {layout.cp}, but the cp group has "
+                             f"{None if cp_group is None else dist.get_world_size(cp_group)} ranks")
+        apply_context_parallel(model, cp_group)
     apply_recompute(model, layout.recompute)
     return model
 
@@ -241,6 +251,6 @@ def apply_recompute(model: StageModel, mode: str) -> None:
     for block in model.layers.values():
         targets.append(block if mode == "full" else block.attn.core)
     for module in targets:
-        assert isinstance(module, (Block, AttentionCore)) and type(module) in (Block, AttentionCore), \
+        assert isinstance(module, (Block, AttentionCore)) and type(module) not in _CHECKPOINTED.values(), \
             "recompute applied twice"
         module.__class__ = _checkpointed_class(type(module))

@@ -195,6 +195,16 @@ def gather_last_dim(x: torch.Tensor, group: ProcessGroup, sizes: list[int]) -> t
     return _GatherLastDim.apply(x, group, sizes)
 
 
+def all_gather_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order (no gradient)."""
+    return _all_gather(x, group, dim)
+
+
+def reduce_scatter_dim(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """Sum over `group` and keep this rank's block of `dim` (no gradient)."""
+    return _reduce_scatter(x, group, dim)
+
+
 def all_reduce_max(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Elementwise max over `group` (no gradient)."""
     return _all_reduce(x, group, op=dist.ReduceOp.MAX)

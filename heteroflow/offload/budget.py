@@ -28,6 +28,8 @@ class DeviceBudget:
         self.resident_bytes = 0
         self.peak_bytes = 0
         self.by_kind: dict[str, int] = {}
+        self.peak_by_kind: dict[str, int] = {}
+        """The most bytes of each kind resident at once (each kind's own peak, not at `peak_bytes`' moment)."""
         self._lock = threading.Lock()  # hooks may run on autograd's worker thread
 
     def charge(self, nbytes: int, kind: str) -> None:
@@ -40,6 +42,7 @@ class DeviceBudget:
                     f"({self._breakdown()}), limit {self.limit_bytes} bytes")
             self.resident_bytes = after
             self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
+            self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), self.by_kind[kind])
             self.peak_bytes = max(self.peak_bytes, after)
 
     def release(self, nbytes: int, kind: str) -> None:
@@ -53,6 +56,7 @@ class DeviceBudget:
         """Start a new peak measurement from the current resident bytes."""
         with self._lock:
             self.peak_bytes = self.resident_bytes
+            self.peak_by_kind = dict(self.by_kind)
 
     def check_allocator(self, device: Device, *, slack_bytes: int = 0) -> int | None:
         """On a real accelerator: assert the allocator's peak stayed within the limit (plus `slack_bytes`

@@ -7,14 +7,16 @@ Per stage (`StageSpec.offload`):
   clipping stay as they are: `StageOffload` underneath keeps the fp32 master weights and Adam moments in
   the optimizer tier and, with `params` off the device, fetches each Transformer block's parameters ahead
   of use and releases them after (embedding, final norm and head stay on the device: they are used at the
-  two ends only);
+  two ends only). With tp > 1 every tp rank does this for its own shards: the blocks are tp-sharded before
+  they go to the tier, so a rank stores, fetches and updates only its local slices;
 - `activations: cpu`: the saved activations of the stage's forward (with `recompute: full`, exactly the
   checkpointed block inputs) live in host memory (the runtime's pipeline wraps the forward in
   `heteroflow.offload.activations.activation_context`); alone, it keeps `DataParallelAdamW` (and ZeRO).
 
-Gradient arithmetic is the same as `DataParallelAdamW`'s: partial gradients summed over tp, micro-batch
-gradients accumulated in fp32 (here on the host, block by block as the backward produces them), then
-summed over the stage's dp group, counted once in the global norm (tp-replicated values on tp rank 0,
+Gradient arithmetic is the same as `DataParallelAdamW`'s: micro-batch gradients accumulated in fp32 (here
+on the host, block by block as the backward produces them), partial gradients summed over tp (those of
+offloaded blocks in their host buffers, after the last micro-batch), then summed over the stage's dp group,
+counted once in the global norm (tp-replicated values on tp rank 0,
 dp replicas on dp rank 0, the head copy of a tied embedding on the first stage), AdamW with decay on
 matrices only (`heteroflow.optim.adamw_step` under both). In fp32 with `HETEROFLOW_CPU_ADAM=torch` a plan
 trains bit for bit as without offload; with DeepSpeedCPUAdam within 1e-6 relative.
@@ -26,8 +28,7 @@ the tiers. So a run can resume with or without offload, under any plan.
 
 Not run (refused with a `UserError` naming the stage, before launch by `check_offload_plan` and again when
 the optimizer is built): ZeRO (`zero > 0`) together with an offloaded optimizer or offloaded parameters
-(the offloaded state is not sharded over dp; it has left the device anyway), and `params` offload with
-tp > 1 (blocks are fetched as whole, unsharded parameters).
+(the offloaded state is not sharded over dp; it has left the device anyway).
 """
 
 from __future__ import annotations
@@ -70,10 +71,6 @@ def check_offload_stage(k: int, stage: StageSpec) -> None:
         raise UserError(f"plan.stages[{k}]: zero {stage.layout.zero} together with offload {{{tiers}}} is not run: "
                         "offloaded optimizer state and parameters are not sharded over dp; use zero: 0 on this "
                         "stage (its state leaves the device anyway) or keep optimizer and params on the device")
-    if stage.layout.offload.params != "device" and stage.layout.tp > 1:
-        raise UserError(f"plan.stages[{k}]: offload params: {stage.layout.offload.params} needs tp: 1 (blocks are "
-                        f"fetched as whole, unsharded parameters), but the stage has tp {stage.layout.tp}; use tp: 1 "
-                        "with dp instead, or keep params on the device and offload only the optimizer")
 
 
 class OffloadedAdamW:
@@ -90,7 +87,7 @@ class OffloadedAdamW:
 
     def __init__(self, model: StageModel, *, policy: OffloadPolicy, device: Device, dp_group: dist.ProcessGroup | None,
                  tp_group: dist.ProcessGroup | None, betas: tuple[float, float], eps: float, weight_decay: float,
-                 checkpoint_dirs: list[str] = ()) -> None:
+                 checkpoint_dirs: list[str] = (), swap_label: str = "") -> None:
         self.model, self.policy, self.device = model, policy, device
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
@@ -106,6 +103,8 @@ class OffloadedAdamW:
         head_copy = set(model.tied_parameter_names()) if model.is_last else set()
         self._counted: list[tuple[str, int]] = []
         rest_index = {id(p): j for j, p in enumerate(rest)}
+        self._where = {id(p): (f"block{i}", j) for i, b in enumerate(blocks) for j, p in enumerate(b.parameters())}
+        self._where.update({id(p): ("rest", j) for j, p in enumerate(rest)})
         for name, p in model.named_parameters():
             # dp replicas: every dp rank holds the same summed gradient, counted on dp rank 0 (no ZeRO here)
             if not counted_once(split_over_tp=shard_of(p).dim is not None, tp_rank=tp_rank, dp_rank=self.dp_rank,
@@ -114,8 +113,8 @@ class OffloadedAdamW:
             self._counted.append((f"block{in_block[id(p)][0]}", in_block[id(p)][1]) if id(p) in in_block
                                  else ("rest", rest_index[id(p)]))
         self.offload = StageOffload(policy, device=device, blocks=blocks, other_params={"rest": rest} if rest else {},
-                                    betas=betas, eps=eps, weight_decay=weight_decay,
-                                    checkpoint_dirs=checkpoint_dirs, decays=lambda p: p.dim() >= 2)
+                                    betas=betas, eps=eps, weight_decay=weight_decay, checkpoint_dirs=checkpoint_dirs,
+                                    decays=lambda p: p.dim() >= 2, swap_label=swap_label)
         if policy.params != "device":
             for p in rest:  # built on the host with the blocks (now in their tier); this part lives on the device
                 p.data = p.data.to(device.torch_device)
@@ -134,16 +133,16 @@ class OffloadedAdamW:
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum partial grads over tp, take the device gradients into the optimizer tier, sum over dp."""
-        all_reduce_partial_grads(self.model, self.tp_group)
         self.offload.collect_grads()
+        all_reduce_partial_grads(self.model, self.tp_group, grad_of=self.grad_of)
         if self.dp > 1:
             for flat in self.offload.optimizer.flat_grads().values():
-                self._all_reduce(flat)
+                self._all_reduce(flat, self.dp_group)
 
-    def _all_reduce(self, flat: torch.Tensor) -> None:
-        """Sum `flat` over the dp group; host buffers go through the device when the backend needs it."""
-        if flat.device.type != "cpu" or dist.get_backend(self.dp_group) == "gloo":
-            dist.all_reduce(flat, group=self.dp_group)
+    def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """Sum `flat` over `group`; host buffers go through the device when the backend needs it."""
+        if flat.device.type != "cpu" or dist.get_backend(group) == "gloo":
+            dist.all_reduce(flat, group=group)
             return
         budget = self.offload.budget
         for part in flat.split(_HOST_REDUCE_CHUNK_NUMEL):
@@ -151,7 +150,7 @@ class OffloadedAdamW:
             budget.charge(nbytes, "grads")
             try:
                 on_device = part.to(self.device.torch_device)
-                dist.all_reduce(on_device, group=self.dp_group)
+                dist.all_reduce(on_device, group=group)
                 part.copy_(on_device)
                 del on_device
             finally:
@@ -174,6 +173,20 @@ class OffloadedAdamW:
         if grad_scale != 1.0:
             self.offload.scale_grads(grad_scale)
         self.offload.step(lr)
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 gradient accumulated for `param` in the optimizer tier (a writable view)."""
+        self.offload.collect_grads()
+        group, index = self._where[id(param)]
+        self.offload.optimizer.flat_grads()  # zeros for a group no gradient has reached yet
+        return self.offload.optimizer.grad_views(group)[index]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The most device bytes the offload bookkeeping (`DeviceBudget`) has held of parameters, gradients and
+        optimizer state: resident parameters and fetched blocks, gradients on their way out, device-tier state."""
+        peaks = self.offload.budget.peak_by_kind
+        return {"params": peaks.get("params", 0), "grads": peaks.get("grads", 0),
+                "optimizer": sum(v for k, v in peaks.items() if k not in ("params", "grads"))}
 
     def zero_grad(self) -> None:
         """Drop any gradient left on the model and what the offload path took of them (all consumed after
@@ -221,7 +234,8 @@ class OffloadedAdamW:
         """Budget and paths, for logs and tests."""
         budget, swap = self.offload.budget, self.offload.swap
         return {"policy": self.policy.to_dict(), "limit_bytes": budget.limit_bytes, "peak_bytes": budget.peak_bytes,
-                "resident_bytes": budget.resident_bytes, "which": self.offload.which,
+                "peak_by_kind": dict(budget.peak_by_kind), "resident_bytes": budget.resident_bytes,
+                "which": self.offload.which,
                 "swap_dir": str(swap.path) if swap is not None else None}
 
     def describe(self) -> str:

@@ -2,8 +2,10 @@
 
 Swap files are scratch, never checkpoints, and the code keeps the two apart:
 
-- each process gets its own directory `<swap_root>/heteroflow-swap-<pid>-<uuid>/` with a marker file
-  saying it is scratch; only a directory carrying that marker is ever deleted;
+- each process gets its own directory `<swap_root>/heteroflow-swap-<pid>-[<label>-]<uuid>/` with a marker
+  file saying it is scratch; only a directory carrying that marker is ever deleted. Ranks on one node (tp or
+  dp ranks of a stage, several stages) therefore never share a swap file; the label (the runtime's
+  `s<stage>-dp<i>-cp<k>-tp<j>`) says whose directory it is;
 - a swap root inside a checkpoint directory, or inside a directory marked as a checkpoint
   (heteroflow's, Megatron's or DeepSpeed's marker files), is refused;
 - free disk space is checked before anything is written, with an error naming the path and numbers;
@@ -51,7 +53,7 @@ class SwapDir:
     """One process's scratch directory under `swap_root`; use as a context manager or call `remove()`."""
 
     def __init__(self, swap_root: str | os.PathLike, *, checkpoint_dirs: Iterable[str | os.PathLike] = (),
-                 headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> None:
+                 headroom_bytes: int = DEFAULT_HEADROOM_BYTES, label: str = "") -> None:
         root = Path(swap_root).expanduser().resolve()
         check_not_checkpoint(root, checkpoint_dirs)
         try:
@@ -60,7 +62,9 @@ class SwapDir:
             raise UserError(f"cannot create the offload swap root {root}: {exc}; pick a writable directory") from exc
         sweep_stale(root)
         self.root = root
-        self.path = root / f"{SWAP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tag = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
+        # The pid comes first: `sweep_stale` reads it to tell a dead owner's directory from a live one.
+        self.path = root / f"{SWAP_PREFIX}{os.getpid()}-{tag + '-' if tag else ''}{uuid.uuid4().hex[:12]}"
         self.path.mkdir(mode=0o700)
         (self.path / SCRATCH_MARKER).write_text(
             "Scratch swap files of a heteroflow training process (offloaded parameters and optimizer state).\n"

@@ -25,7 +25,7 @@ elements `[start, stop)` of the flattened local parameter, each `t` 1-D."""
 @runtime_checkable
 class StageOptimizer(Protocol):
     """AdamW with fp32 master weights over one rank's share of a stage, gradients summed over the stage's
-    tp and dp groups (`DataParallelAdamW`, `OffloadedAdamW`)."""
+    tp and dp groups (`DataParallelAdamW`, `OffloadedAdamW`, `models.zero3.Zero3AdamW`)."""
 
     zero: int
     """The ZeRO stage: 0 when every dp rank keeps all of the state (then dp rank 0 writes it to checkpoints)."""
@@ -41,6 +41,13 @@ class StageOptimizer(Protocol):
     def step(self, *, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step (gradients times `grad_scale`: the clip coefficient over the loss scale); the model
         gets the new values."""
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The writable fp32 tensor holding the gradient accumulated for `param` this step (tied-embedding sync)."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of training state this rank holds on the device: `params`, `grads`, `optimizer` (each the
+        most held at once since the optimizer was built)."""
 
     def zero_grad(self) -> None:
         """Drop the model's gradients and any accumulated from them: the next backward starts from zero (also

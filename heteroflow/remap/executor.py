@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from heteroflow.remap.layout import box_shape, box_slices
+from heteroflow.remap.layout import box_shape
 from heteroflow.remap.plan import TransferPlan
 
 MAX_PIECES = 1 << 20
@@ -117,8 +117,12 @@ class RemapExecutor:
             raise ValueError(f"rank {rank} takes part in pre-reduces of {plan.src.describe()}; pass the process "
                              "group of its source replica set as reduce_group")
         self._fanout_group, self._reduce_group = fanout_group, reduce_group
-        self._src_box = plan.src.box(rank) if self.is_source else None
-        self._dst_box = plan.dst.box(rank) if self.is_destination else None
+        # Where each box this rank sends, reduces or receives sits in its local tensor (a share may be
+        # several parts under context parallelism's load balancing).
+        boxes_out = [piece.box for _, piece in self._sends] + [red.box for red in self._reduces]
+        boxes_in = [piece.box for _, piece in self._recvs] + [fan.box for _, fan in self._fanouts]
+        self._src_slices = {box: plan.src.local_slices(rank, box) for box in boxes_out} if self.is_source else {}
+        self._dst_slices = {box: plan.dst.local_slices(rank, box) for box in boxes_in} if self.is_destination else {}
         self._scratch: dict[tuple[str, object], torch.Tensor] = {}
         self._slots: list[RemapHandle | None] = [None] * max_in_flight
         self.calls = 0
@@ -155,7 +159,7 @@ class RemapExecutor:
         for index, piece in self._sends:
             data = sends.get(index)
             if data is None:
-                data = local[box_slices(piece.box, self._src_box)]
+                data = local[self._src_slices[piece.box]]
             if piece.dst == self.rank:  # layouts share this rank: a local copy, no message
                 self._landing(out, index, piece.box, slot).copy_(data)
                 continue
@@ -183,7 +187,7 @@ class RemapExecutor:
     def _landing(self, out: torch.Tensor, index: object, box, slot: int) -> torch.Tensor:
         """Where piece `index` arrives: straight in `out` when that view is contiguous (no copy),
         else in a scratch buffer that `_finish` copies into `out`."""
-        view = out[box_slices(box, self._dst_box)]
+        view = out[self._dst_slices[box]]
         return view if view.is_contiguous() else self._buffer(("land", slot, index), box_shape(box))
 
     def _post_reduces(self, local: torch.Tensor, slot: int) -> dict[int, torch.Tensor]:
@@ -192,7 +196,7 @@ class RemapExecutor:
         works, summed = [], {}
         for i, red in enumerate(self._reduces):
             buf = self._buffer(("reduce", slot, i), box_shape(red.box))
-            buf.copy_(local[box_slices(red.box, self._src_box)])
+            buf.copy_(local[self._src_slices[red.box]])
             works.append(dist.reduce(buf, dst=red.root, op=dist.ReduceOp.SUM, group=self._reduce_group,
                                      async_op=True))
             if red.root == self.rank:
@@ -225,6 +229,6 @@ class RemapExecutor:
             work.wait()
         for key, tensor in landings:
             box = pieces[key].box if isinstance(key, int) else key[1]
-            view = out[box_slices(box, self._dst_box)]
+            view = out[self._dst_slices[box]]
             if view.data_ptr() != tensor.data_ptr():  # landed in scratch, not in place
                 view.copy_(tensor)

@@ -10,6 +10,12 @@ dim, the outer axis cuts coarser blocks and the inner axis cuts each of those ag
 A rank's share is a `Box`: one half-open `(start, stop)` interval per dim, in logical coordinates.
 Working with intervals rather than "block i of n" is what lets two layouts whose degrees are not
 multiples of each other (dp 2 -> dp 3 over a batch of 6) be intersected exactly.
+
+A *balanced* axis (context parallelism's causal load balancing) cuts its dim into `2 * size` chunks
+and gives axis index i chunks i and `2 * size - 1 - i`, stored one after the other; axes inside it
+split that local concatenation evenly (Megatron's order for cp with sp). Such a share is a tuple of
+boxes, its *parts*, laid end to end along that dim in the rank's local tensor (`parts`,
+`local_slices`); without balanced axes every share is one part.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ class Axis:
     name: str
     size: int
     dim: int | None = None
+    balanced: bool = False
+    """Split `dim` into `2 * size` chunks, index i holding chunks i and `2 * size - 1 - i` (see module doc)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +107,10 @@ class TensorLayout:
             if axis.dim is not None and not 0 <= axis.dim < len(self.shape):
                 raise LayoutError(f"mesh axis {axis.name!r} splits dim {axis.dim}, but the tensor has "
                                   f"{len(self.shape)} dims")
+            if axis.balanced and axis.dim is None:
+                raise LayoutError(f"mesh axis {axis.name!r} is balanced but splits no dim")
+        if len({a.dim for a in self.axes if a.balanced}) < sum(a.balanced for a in self.axes):
+            raise LayoutError("at most one balanced axis per dim")
         if len(self.ranks) != prod(a.size for a in self.axes):
             raise LayoutError(f"{len(self.ranks)} ranks for a mesh of "
                               f"{' x '.join(f'{a.name}={a.size}' for a in self.axes) or 'one rank'} = "
@@ -107,9 +119,10 @@ class TensorLayout:
             raise LayoutError(f"ranks {list(self.ranks)} repeat a rank; each rank holds one share")
         for dim, size in enumerate(self.shape):
             splitting = self.axes_splitting(dim)
-            ways = prod(a.size for a in splitting)
+            ways = prod(a.size * (2 if a.balanced else 1) for a in splitting)
             if size % ways:
-                by = " * ".join(f"{a.name}={a.size}" for a in splitting)
+                by = " * ".join(f"{a.name}={a.size}" + (" (x2 chunks, load-balanced)" if a.balanced else "")
+                                for a in splitting)
                 divisors = [d for d in range(1, size + 1) if size % d == 0]
                 raise LayoutError(
                     f"cannot split {self.dim_name(dim)} (size {size}) of a {self._shape_str()} tensor "
@@ -120,13 +133,14 @@ class TensorLayout:
     def activation(cls, shape: Sequence[int], *, ranks: Sequence[int], dp: int = 1, tp: int = 1, cp: int = 1,
                    sp: bool = False) -> "TensorLayout":
         """A pipeline stage's `[batch, seq, hidden]` activation: batch split over dp, sequence split
-        over cp (and over tp too under sequence parallelism), replicated over tp otherwise.
+        over cp with causal load balancing (rank i holds chunks i and 2cp-1-i) and, under sequence
+        parallelism, that local sequence split again over tp; replicated over tp otherwise.
 
         Mesh order is `(dp, cp, tp)`, tp innermost, matching the plan's rank order.
         """
         if len(shape) != 3:
             raise LayoutError(f"an activation is [batch, seq, hidden], got shape {list(shape)}")
-        axes = (Axis("dp", dp, 0), Axis("cp", cp, 1), Axis("tp", tp, 1 if sp else None))
+        axes = (Axis("dp", dp, 0), Axis("cp", cp, 1, balanced=cp > 1), Axis("tp", tp, 1 if sp else None))
         return cls(shape=tuple(shape), axes=axes, ranks=tuple(ranks), dim_names=ACTIVATION_DIMS)
 
     @property
@@ -172,43 +186,111 @@ class TensorLayout:
             index, out[axis.name] = divmod(index, axis.size)
         return {a.name: out[a.name] for a in self.axes}
 
-    def box(self, rank: int) -> Box:
-        """The part of the logical tensor that `rank` holds."""
+    def parts(self, rank: int) -> tuple[Box, ...]:
+        """The boxes `rank` holds, in the order its local tensor stores them (one, without balanced axes)."""
         if rank not in self.ranks:
             raise KeyError(f"rank {rank} is not in this layout (ranks {list(self.ranks)})")
         coords = self.coords(rank)
-        box = []
-        for dim, size in enumerate(self.shape):
-            block, ways = 0, 1
-            for axis in self.axes_splitting(dim):  # mixed radix, outer axis most significant
-                block = block * axis.size + coords[axis.name]
-                ways *= axis.size
-            width = size // ways
-            box.append((block * width, (block + 1) * width))
-        return tuple(box)
+        per_dim = [_dim_intervals(size, self.axes_splitting(dim), coords) for dim, size in enumerate(self.shape)]
+        multi = [dim for dim, intervals in enumerate(per_dim) if len(intervals) > 1]
+        if not multi:
+            return (tuple(intervals[0] for intervals in per_dim),)
+        assert len(multi) == 1, "one dim at most is held in several parts"
+        dim = multi[0]
+        firsts = [intervals[0] for intervals in per_dim]
+        return tuple(tuple(part if d == dim else iv for d, iv in enumerate(firsts)) for part in per_dim[dim])
+
+    def box(self, rank: int) -> Box:
+        """The part of the logical tensor that `rank` holds (a layout whose shares are one box each)."""
+        parts = self.parts(rank)
+        assert len(parts) == 1, f"{self.describe()}: rank {rank} holds {len(parts)} parts; use parts()"
+        return parts[0]
+
+    def local_slices(self, rank: int, box: Box) -> tuple[slice, ...]:
+        """Where `box` (inside one of `rank`'s parts) sits in the rank's local tensor."""
+        dim, offset = self._parts_dim(), 0
+        for part in self.parts(rank):
+            if box_contains(part, box):
+                slices = list(box_slices(box, part))
+                if dim is not None:  # parts lie end to end along the balanced dim
+                    slices[dim] = slice(slices[dim].start + offset, slices[dim].stop + offset)
+                return tuple(slices)
+            offset += 0 if dim is None else part[dim][1] - part[dim][0]
+        raise KeyError(f"{box} is not inside one of rank {rank}'s parts of {self.describe()}")
+
+    def _parts_dim(self) -> int | None:
+        return next((a.dim for a in self.axes if a.balanced), None)
 
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         """Shape of one rank's share (the same on every rank: splits are even)."""
-        return box_shape(self.box(self.ranks[0] if rank is None else rank))
+        parts = self.parts(self.ranks[0] if rank is None else rank)
+        dim = self._parts_dim()
+        shape = list(box_shape(parts[0]))
+        if dim is not None:
+            shape[dim] = sum(part[dim][1] - part[dim][0] for part in parts)
+        return tuple(shape)
 
-    def blocks(self) -> tuple[tuple[Box, tuple[int, ...]], ...]:
-        """Each distinct share with the ranks that hold it (its replica set, in mesh order).
+    def shares(self) -> tuple[tuple[tuple[Box, ...], tuple[int, ...]], ...]:
+        """Each distinct share (its parts) with the ranks that hold it (its replica set, in mesh order).
 
         Shares are listed in the mesh order of their first holder; together they tile the tensor.
         """
-        holders: dict[Box, list[int]] = {}
+        holders: dict[tuple[Box, ...], list[int]] = {}
         for rank in self.ranks:
-            holders.setdefault(self.box(rank), []).append(rank)
-        return tuple((box, tuple(ranks)) for box, ranks in holders.items())
+            holders.setdefault(self.parts(rank), []).append(rank)
+        return tuple((parts, tuple(ranks)) for parts, ranks in holders.items())
+
+    def blocks(self) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+        """`shares()` of a layout whose shares are one box each: `(box, holders)`."""
+        out = []
+        for parts, ranks in self.shares():
+            assert len(parts) == 1, f"{self.describe()} has shares of several parts; use shares()"
+            out.append((parts[0], ranks))
+        return tuple(out)
 
     def replica_set(self, rank: int) -> tuple[int, ...]:
         """The ranks holding the same share as `rank` (itself included)."""
-        mine = self.box(rank)
-        return tuple(r for r in self.ranks if self.box(r) == mine)
+        mine = self.parts(rank)
+        return tuple(r for r in self.ranks if self.parts(r) == mine)
 
     def describe(self) -> str:
         """`[batch=4, seq=16, hidden=8] over dp=2(batch) x tp=2(seq)`, for logs and errors."""
         # Size-1 axes change nothing; leaving them out keeps messages short.
-        axes = " x ".join(f"{a.name}={a.size}" + (f"({self.dim_name(a.dim)})" if a.dim is not None else "")
+        axes = " x ".join(f"{a.name}={a.size}" + (f"({self.dim_name(a.dim)}{', balanced' if a.balanced else ''})"
+                                                  if a.dim is not None else "")
                           for a in self.axes if a.size > 1)
         return f"{self._shape_str()} over {axes or 'one rank'}"
+
+
+def _dim_intervals(size: int, splitting: tuple[Axis, ...], coords: dict[str, int]) -> tuple[tuple[int, int], ...]:
+    """The global intervals of one dim a rank holds, in local order: each axis (outermost first) keeps
+    its share of the local sequence left by the axes outside it (two mirrored chunks if balanced)."""
+    intervals: list[tuple[int, int]] = [(0, size)]
+    for axis in splitting:
+        length = sum(b - a for a, b in intervals)
+        i = coords[axis.name]
+        if axis.balanced:
+            chunk = length // (2 * axis.size)
+            wanted = [(i * chunk, (i + 1) * chunk), ((2 * axis.size - 1 - i) * chunk, (2 * axis.size - i) * chunk)]
+        else:
+            width = length // axis.size
+            wanted = [(i * width, (i + 1) * width)]
+        intervals = [iv for lo, hi in wanted for iv in _local_to_global(intervals, lo, hi)]
+    merged: list[tuple[int, int]] = []
+    for a, b in intervals:  # neighbours that touch are one part (cp 1, or tp pieces of one chunk)
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return tuple(merged)
+
+
+def _local_to_global(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The global intervals covering local positions `[lo, hi)` of `intervals` laid end to end."""
+    out, offset = [], 0
+    for a, b in intervals:
+        start, stop = max(lo, offset), min(hi, offset + b - a)
+        if start < stop:
+            out.append((a + start - offset, a + stop - offset))
+        offset += b - a
+    return out

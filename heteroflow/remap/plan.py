@@ -155,28 +155,32 @@ def plan_transfer(src: TensorLayout, dst: TensorLayout, *, source_replicas: Sour
                           "on the micro-batch, sequence and hidden sizes")
     if source_replicas not in ("identical", "partial"):
         raise ValueError(f"source_replicas must be 'identical' or 'partial', got {source_replicas!r}")
-    src_blocks, dst_blocks = src.blocks(), dst.blocks()
-    # Regions: where a source share meets a destination share; they tile the tensor.
-    regions: dict[tuple[int, int], _Region] = {}
-    for i, (sbox, _) in enumerate(src_blocks):
-        for j, (dbox, _) in enumerate(dst_blocks):
-            common = box_intersection(sbox, dbox)
-            if common is not None:
-                regions[i, j] = _Region(common)
-    # Stripe each source share over its holders and each destination share over its holders.
-    for i, (_, sranks) in enumerate(src_blocks):
+    src_shares, dst_shares = src.shares(), dst.shares()
+    # Regions: where a part of a source share meets a part of a destination share; they tile the tensor.
+    # Keys (i, pi, j, pj): share i's part pi meets share j's part pj.
+    regions: dict[tuple[int, int, int, int], _Region] = {}
+    for i, (sparts, _) in enumerate(src_shares):
+        for pi, sbox in enumerate(sparts):
+            for j, (dparts, _) in enumerate(dst_shares):
+                for pj, dbox in enumerate(dparts):
+                    common = box_intersection(sbox, dbox)
+                    if common is not None:
+                        regions[i, pi, j, pj] = _Region(common)
+    # Stripe each source share over its holders and each destination share over its holders, regions in
+    # the order the share's local tensor stores them.
+    for i, (_, sranks) in enumerate(src_shares):
         _stripe([regions[key] for key in sorted(k for k in regions if k[0] == i)], sranks, "senders")
-    for j, (_, dranks) in enumerate(dst_blocks):
-        _stripe([regions[key] for key in sorted((k for k in regions if k[1] == j), key=lambda k: k[0])],
+    for j, (_, dranks) in enumerate(dst_shares):
+        _stripe([regions[key] for key in sorted((k for k in regions if k[2] == j), key=lambda k: (k[3], k[0], k[1]))],
                 dranks, "receivers")
     pieces, fanouts, pre_reduces = [], [], []
-    for (i, j), region in sorted(regions.items()):
+    for (i, _, j, _), region in sorted(regions.items()):
         for box, sender, receiver in region.pieces():
             pieces.append(Piece(sender, receiver, box))
-            if len(dst_blocks[j][1]) > 1:
-                fanouts.append(FanOut(receiver, dst_blocks[j][1], box))
-            if source_replicas == "partial" and len(src_blocks[i][1]) > 1:
-                pre_reduces.append(PreReduce(sender, src_blocks[i][1], box))
+            if len(dst_shares[j][1]) > 1:
+                fanouts.append(FanOut(receiver, dst_shares[j][1], box))
+            if source_replicas == "partial" and len(src_shares[i][1]) > 1:
+                pre_reduces.append(PreReduce(sender, src_shares[i][1], box))
     return TransferPlan(src=src, dst=dst, pieces=tuple(pieces), fanouts=tuple(fanouts),
                         pre_reduces=tuple(pre_reduces), source_replicas=source_replicas)
 

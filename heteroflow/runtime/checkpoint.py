@@ -131,7 +131,8 @@ class TrainCheckpoints:
         """Write checkpoint `step` (the next step to run) from every rank; collective."""
         started = time.perf_counter()
         info = self.rt.info
-        pieces = stage_pieces(self.rt.model, self.rt.optimizer, tp_rank=info.tp, dp_rank=info.dp)
+        # cp ranks hold the same weights and optimizer state (cp splits only the sequence): cp rank 0 writes
+        pieces = stage_pieces(self.rt.model, self.rt.optimizer, tp_rank=info.tp, dp_rank=info.dp) if info.cp == 0 else []
         gbs = self.job.train.global_batch_size
         metadata = {"model": self.job.model.to_dict(), "train": self.job.train.to_dict(),
                     "plan": self.plan.to_dict(), "cluster": self.job.cluster.to_dict(),

@@ -89,6 +89,8 @@ class StepRecord:
     """MoE models: the load-balancing loss, mean over MoE layers, before its coefficient (not in `loss`)."""
     stages: list[dict] | None = None
     """Per stage, measured and predicted seconds of this step by part (`runtime.stage_times`)."""
+    memory: dict | None = None
+    """Every rank's measured bytes next to the planner's figure (`heteroflow.runtime.memory.memory_record`)."""
 
     def to_json(self) -> str:
         """One JSONL line (strict JSON: a non-finite figure is written as null)."""

@@ -36,4 +36,12 @@ def offloaded_optimizer(model: StageModel, *, job: JobConfig, stage: StageSpec, 
     t = job.train
     return OffloadedAdamW(model, policy=stage_policy(job, stage), device=device, dp_group=groups.dp,
                           tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                          weight_decay=t.weight_decay, checkpoint_dirs=checkpoint_dirs(job))
+                          weight_decay=t.weight_decay, checkpoint_dirs=checkpoint_dirs(job),
+                          swap_label=swap_label(groups))
+
+
+def swap_label(groups: ProcessGroups) -> str:
+    """`s<stage>-dp<i>-cp<k>-tp<j>`: whose swap directory it is (every rank has its own, where a tp rank keeps
+    its shards)."""
+    info = groups.rank_map.info(groups.rank)
+    return f"s{info.stage}-dp{info.dp}-cp{info.cp}-tp{info.tp}"

@@ -14,6 +14,7 @@ from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
 from heteroflow.optim.loss_scale import LossScaler
 from heteroflow.runtime.grad_faults import inject_grad_fault
+from heteroflow.runtime.memory import gather_measured, measured_memory, memory_record, reset_measurement
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
@@ -131,6 +132,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
+    from heteroflow.models.context_parallel import all_reduce_cp_grads, split_sequence
 
     job, plan, train, info, groups, device = args.job, args.plan, args.job.train, rt.info, rt.groups, rt.device
     scaler = LossScaler.for_job(train, [stage.layout.compute_precision(train.precision) for stage in plan.stages])
@@ -140,9 +142,10 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     order = data.order
     num_micro_batches = plan.num_micro_batches(train)
     global_tokens = train.global_batch_size * job.model.seq_length
-    counts_loss = rt.is_last and info.tp == 0 and info.cp == 0
+    counts_loss = rt.is_last and info.tp == 0  # every cp rank's loss is that of its own tokens
+    cp = rt.stage.layout.cp
     # Every tp rank computes the same routing; one copy of each layer's aux loss per dp rank counts.
-    counts_aux = info.tp == 0 and info.cp == 0
+    counts_aux = info.tp == 0
     moe_layers_total = sum(job.model.is_moe_layer(i) for i in range(job.model.num_layers))
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
@@ -153,6 +156,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     timer = PartTimer(device.new_event)
     tp_group = groups.tp if rt.stage.layout.tp > 1 else None
     device_types = [stage.device_type for stage in plan.stages]
+    stage_of_rank = [k for k, stage in enumerate(plan.stages) for _ in range(stage.num_devices)]  # RankMap's order
     where = f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}"
     # Every rank's step and heartbeat in the store: a rank waiting past the limit names those it waits for.
     watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank, where=where,
@@ -160,28 +164,34 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     try:
         for step in range(first_step, args.steps):
             watchdog.begin(step)
+            reset_measurement(rt.meter, device)
             started = time.perf_counter()
             indices = order.global_batch(step)
             micro_batches = []
             for m in range(num_micro_batches):
                 share = micro_batch_indices(indices, micro_batch_size=plan.micro_batch_size, micro_batch=m,
                                             dp=rt.stage.layout.dp, dp_rank=info.dp)
-                micro_batches.append(MicroBatch(*data.batch(share)))
+                tokens, labels = data.batch(share)
+                micro_batches.append(MicroBatch(split_sequence(tokens, cp=cp, cp_rank=info.cp),
+                                                split_sequence(labels, cp=cp, cp_rank=info.cp)))
             scale = scaler.scale if scaler is not None else 1.0
             set_aux_loss_scale(rt.model, step_tokens=global_tokens, grad_scale=scale)
             with timing_collectives(tp_group, timer):
                 loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale,
                                              timer=timer)
-            inject_grad_fault(rt.model, rank, step)
+            inject_grad_fault(rt.model, rank, step, rt.optimizer.grad_of)
             with timer.part("dp"):
-                if rt.tied_group is not None:
-                    from heteroflow.models.data_parallel import sync_tied_grads
-                    sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp)
+                rt.sync_tied_grads()
+                if cp > 1:  # replicated weights saw only this rank's tokens: sum over cp, then over dp as always
+                    all_reduce_cp_grads(rt.model, groups.cp, grad_of=rt.optimizer.grad_of)
                 rt.optimizer.reduce_grads()
             with timer.part("optimizer"):  # the norm share is the clipping's, priced with the optimizer step
                 norm_share = rt.optimizer.grad_sq_norm_share().float().cpu()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
+            # cp ranks hold the same gradients after the cp sum: one of them counts them.
+            if info.cp != 0:
+                norm_share = norm_share * 0  # keeps a nan or inf of this rank visible to all
             aux_share = take_aux_losses(rt.model)
             totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(()),
                                   aux_share if counts_aux else torch.zeros(())])
@@ -211,6 +221,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             measured = gather_stage_figures(figures, rank_map=groups.rank_map, group=groups.world, rank=rank)
             step_time = time.perf_counter() - started
             losses.append(loss)
+            memory_measured = gather_measured(measured_memory(rt.optimizer, rt.meter, device), groups.world)
             if rank == 0:
                 assert measured is not None
                 record = StepRecord(step=step, loss=loss, aux_loss=aux_loss,
@@ -219,7 +230,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                                     predicted_step_time_s=args.predicted_step_time_s,
                                     loss_scale=scale if scaler is not None else None,
                                     skipped=skipped if scaler is not None else None,
-                                    stages=stage_records(measured, args.predicted_stages, device_types))
+                                    stages=stage_records(measured, args.predicted_stages, device_types),
+                                    memory=memory_record(job, plan, memory_measured, stage_of_rank))
                 writer.write(record)
                 records.append({"step": step, "stages": record.stages})
                 if progress is not None:

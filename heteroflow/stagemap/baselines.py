@@ -133,8 +133,7 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
     layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off)
                for sp in options.sp for z in options.zero for rc in options.recompute for off in options.offload]
     layouts = [lay for lay in layouts if searched(lay, job.model, micro_batch_size=mbs)]
-    layouts = [lay for lay in layouts if offload_allowed(lay, offload_zero=options.offload_zero,
-                                                         offload_params_max_tp=options.offload_params_max_tp)]
+    layouts = [lay for lay in layouts if offload_allowed(lay, offload_zero=options.offload_zero)]
     if not layouts:
         return None
     p = len(shapes)

@@ -13,7 +13,12 @@ Overlap assumptions:
 - Per block, traffic that a prefetching runtime hides behind that block's compute is overlapped with it
   (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, ZeRO-2
   gradient reduce-scatters (every micro-batch), parameter fetches from CPU/SSD, activation offload to
-  CPU and back, and the context-parallel K/V ring (overlapped with the attention core only).
+  CPU and back.
+- Context parallelism (`models/cp_attention.py`): each block all-gathers K/V over cp before its attention
+  in the forward, and gathers them again and reduce-scatters their gradients in the backward, exposed
+  (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
+  tail, before the dp reduction. The backward's gathered K/V (repeated to the query heads) and their
+  fp32 gradients are transient memory of one block (`context_parallel_working_bytes`).
 - The tail of a step (DP gradient reduction for ZeRO 0/1, parameter all-gather after the step for ZeRO
   1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
   pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
@@ -26,7 +31,7 @@ Overlap assumptions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from heteroflow.config.model import ModelSpec
@@ -37,8 +42,8 @@ from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, dtype_bytes,
-                                        memory_from_parts, memory_parts, memory_total_from_parts,
-                                        state_bytes_per_param)
+                                        REDUCE_BYTES, memory_from_parts, memory_parts,
+                                        memory_total_from_parts, state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
 """A fused AdamW step (CPU Adam of offloaded optimizer state): read grad, master, two moments; write three."""
@@ -47,7 +52,8 @@ DEVICE_ADAM_BYTES_PER_PARAM = 104
 the clip scale, weight decay, lerp, mul, addcmul, sqrt, bias division, eps add, addcdiv (92 bytes) and the
 gradient-norm share (12)."""
 FLAT_BUFFER_BYTES_PER_PARAM = 20
-"""...and per local parameter: its flat fp32 gradient buffer zeroed and filled (12), the weights copied back (8)."""
+"""...and per local parameter: its flat fp32 gradient buffer zeroed and filled (12), the weights copied back (8)
+(not under ZeRO-3: `models.zero3.Zero3AdamW` updates the parameter shards in place)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +206,9 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
 
     # Traffic hidden behind each block's compute.
     overlap_fwd = overlap_bwd = 0.0
-    if layout.zero >= 3:
+    if layout.zero >= 3:  # `models.zero3`: gathered for forward, again for backward, gradients reduced in fp32
         overlap_fwd += b.gather_weights_s
-        overlap_bwd += b.gather_weights_s + b.scatter_grads_s
+        overlap_bwd += b.gather_weights_s + b.zero3_scatter_s
     elif layout.zero == 2:
         overlap_bwd += b.scatter_grads_s
     off = layout.offload
@@ -258,6 +264,8 @@ class _Base:
     p_layer: float
     gather_weights_s: float
     scatter_grads_s: float
+    zero3_scatter_s: float
+    """A block's fp32 gradient reduce-scatter under ZeRO-3."""
     emb_f: float
     emb_b: float
     head_f: float
@@ -275,20 +283,23 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     hardware = Hardware(models={}, inter_node_gb_per_s=inter_gb_per_s, inter_latency_s=inter_latency_s,
                         emulate=emulate)
     dev, precision = hw.device, hw.precision
-    wb, gb, ob = state_bytes_per_param(precision)
+    wb, _, ob = state_bytes_per_param(precision)
     act = dtype_bytes(precision)
+    # Gradient traffic (dp reduction, offload) is timed at the compute dtype's size, as the time model was
+    # calibrated; the runtime's dp reduction sends its fp32 buffer (issue 12 part 2 measures the difference).
+    gb = act
     tokens = mbs / dp * model.seq_length / cp
     lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
     intra, intra_lat = dev.tp_link()
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
     act_bytes = tokens * model.hidden_size * act
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
-    # Context parallelism: each rank passes its K/V chunk around the ring (twice in the backward).
+    # Context parallelism: all-gather of every rank's K/V chunk in the forward; gather again and
+    # reduce-scatter their gradients in the backward.
     kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * act
-    p2p, p2p_lat = dev.intra_node_gb_per_s, dev.intra_latency_s
-    cp_fwd = (cp - 1) * kv_chunk / (p2p * 1e9) + (cp - 1) * p2p_lat if cp > 1 else 0.0
-    attn_fwd = max(lc.attention_s, cp_fwd)
-    attn_bwd = max(lc.attention_backward_s, 2 * cp_fwd)
+    cp_fwd = all_gather_s(cp * kv_chunk, cp, intra, intra_lat)
+    attn_fwd = lc.attention_s + cp_fwd
+    attn_bwd = lc.attention_backward_s + 2 * cp_fwd
     p_layer = layer_params_per_rank(model, tp)
     # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
     emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=act)
@@ -300,8 +311,11 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
         comm_head_f, comm_head_b = 0.0, all_reduce_s(act_bytes, tp, intra, intra_lat)
     emb_f, head_f, head_b = emb_f + comm_emb_f, head_f + comm_head_f, head_b + comm_head_b
     p_emb, p_head = embedding_params_per_rank(model, tp), head_params_per_rank(model, tp, single_stage=False)
-    zero3 = (all_gather_s(p_emb * wb, dp, dp_bw, dp_lat), all_gather_s(p_emb * (wb + gb), dp, dp_bw, dp_lat),
-             all_gather_s(p_head * wb, dp, dp_bw, dp_lat), all_gather_s(p_head * (wb + gb), dp, dp_bw, dp_lat))
+    # ZeRO-3: the embedding and the head are units of their own: gathered for forward; gathered again and
+    # their fp32 gradients reduce-scattered (the same ring traffic as an all-gather) in backward.
+    emb_gather, head_gather = all_gather_s(p_emb * wb, dp, dp_bw, dp_lat), all_gather_s(p_head * wb, dp, dp_bw, dp_lat)
+    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * REDUCE_BYTES, dp, dp_bw, dp_lat),
+             head_gather, head_gather + all_gather_s(p_head * REDUCE_BYTES, dp, dp_bw, dp_lat))
     params = Affine(0.0, p_layer, 0.0, p_emb, p_head,
                     -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0)
     return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
@@ -310,12 +324,30 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                  comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
                  p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, dp, dp_bw, dp_lat),
-                 scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
+                 scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat),
+                 zero3_scatter_s=all_gather_s(p_layer * REDUCE_BYTES, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
-                 memory=memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
-                                     capacity_gib=dev.memory_gib))
+                 memory=_with_cp_working(memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
+                                                      capacity_gib=dev.memory_gib),
+                                         context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
+                                                                        dtype_bytes=act)))
+
+
+def context_parallel_working_bytes(model: ModelSpec, *, tokens: float, tp: int, cp: int, dtype_bytes: int) -> float:
+    """Transient bytes of one block's cp attention backward: the whole sequence's K and V, repeated to this
+    rank's query heads, and their fp32 gradients (0 without cp)."""
+    if cp == 1:
+        return 0.0
+    heads = model.num_attention_heads // tp * model.kv_channels
+    return 2 * tokens * cp * heads * (dtype_bytes + 4)
+
+
+def _with_cp_working(parts: MemoryParts, extra: float) -> MemoryParts:
+    if not extra:
+        return parts
+    return replace(parts, working={mode: bytes_ + extra for mode, bytes_ in parts.working.items()})
 
 
 def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[float, float]:
@@ -333,6 +365,10 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     of the updated parameters)."""
     dp = layout.dp
     dp_const = dp_per_param = opt_const = opt_per_param = 0.0
+    if layout.cp > 1:  # each cp rank's gradients are those of its tokens: summed over cp first
+        cp_gb_per_s, cp_latency_s = dev.tp_link()
+        dp_per_param += 2 * (layout.cp - 1) / layout.cp * gb / (cp_gb_per_s * 1e9)
+        dp_const += 2 * (layout.cp - 1) * cp_latency_s
     if dp > 1:
         ring = (dp - 1) / dp / (dp_bw * 1e9)
         if layout.zero == 0:  # all-reduce of the gradients
@@ -349,7 +385,8 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     shard = 1.0 / dp if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":
-        opt_per_param += (FLAT_BUFFER_BYTES_PER_PARAM + shard * DEVICE_ADAM_BYTES_PER_PARAM) / (dev.hbm_gb_per_s * 1e9)
+        flat = 0 if layout.zero >= 3 else FLAT_BUFFER_BYTES_PER_PARAM  # ZeRO-3 steps on its shards in place
+        opt_per_param += (flat + shard * DEVICE_ADAM_BYTES_PER_PARAM) / (dev.hbm_gb_per_s * 1e9)
         return dp_const, dp_per_param, opt_const, opt_per_param
     host_adam = ADAM_BYTES_PER_PARAM / (dev.host_memory_gb_per_s / hw.node_count * 1e9)
     opt_per_param += shard * host_adam
@@ -358,4 +395,6 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     if off.optimizer == "ssd":
         read_bw, write_bw = _tier_bandwidth(dev, hw, "ssd")
         opt_per_param += shard * ob * (1 / (read_bw * 1e9) + 1 / (write_bw * 1e9))
+    if off.params == "ssd":  # the step writes the updated weights (this rank's tp shards) to their swap files
+        opt_per_param += shard * wb / (_tier_bandwidth(dev, hw, "ssd")[1] * 1e9)
     return dp_const, dp_per_param, opt_const, opt_per_param

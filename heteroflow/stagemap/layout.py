@@ -27,24 +27,19 @@ def tp_choices(model: ModelSpec, num_devices: int, node_count: int) -> list[int]
             if num_devices % t == 0 and (num_devices <= node_count or node_count % t == 0) and tp_valid(model, t)]
 
 
-def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None = None,
-                    offload_params_max_tp: int | None = None) -> bool:
-    """Whether `lay` keeps to the limits on offloading layouts: `offload_zero`, the ZeRO stages allowed when
-    optimizer state or parameters leave the device, and `offload_params_max_tp`, the largest tp allowed when
-    parameters do (None: no limit). `plan: auto` sets both to what the runtime runs."""
+def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None = None) -> bool:
+    """Whether `lay` keeps to `offload_zero`, the ZeRO stages allowed when optimizer state or parameters leave
+    the device (None: any). `plan: auto` sets it to what the runtime runs."""
     moves_state = lay.offload.optimizer != "device" or lay.offload.params != "device"
-    if moves_state and offload_zero is not None and lay.zero not in offload_zero:
-        return False
-    return lay.offload.params == "device" or offload_params_max_tp is None or lay.tp <= offload_params_max_tp
+    return not (moves_state and offload_zero is not None and lay.zero not in offload_zero)
 
 
 def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro_batch_size: int,
                    zero: tuple[int, ...] = (0, 1, 2, 3), recompute: tuple[str, ...] = ("none", "selective", "full"),
                    offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES, sp: tuple[bool, ...] = (False, True),
-                   offload_zero: tuple[int, ...] | None = None,
-                   offload_params_max_tp: int | None = None, precision: str | None = None) -> list[ParallelLayout]:
+                   offload_zero: tuple[int, ...] | None = None, precision: str | None = None) -> list[ParallelLayout]:
     """Every layout the planner considers for a stage of `num_devices` devices (cp = 1), each with
-    `precision`; `offload_zero` and `offload_params_max_tp` as in `offload_allowed`."""
+    `precision`; `offload_zero` as in `offload_allowed`."""
     out = []
     for tp in tp_choices(model, num_devices, node_count):
         dp = num_devices // tp
@@ -55,8 +50,7 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
                         lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off,
                                              precision=precision)
                         if (searched(lay, model, micro_batch_size=micro_batch_size)
-                                and offload_allowed(lay, offload_zero=offload_zero,
-                                                    offload_params_max_tp=offload_params_max_tp)):
+                                and offload_allowed(lay, offload_zero=offload_zero)):
                             out.append(lay)
     return out
 

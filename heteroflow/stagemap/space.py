@@ -44,8 +44,6 @@ class SearchOptions:
     offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES
     offload_zero: tuple[int, ...] | None = None
     """ZeRO stages allowed for a layout whose optimizer state or parameters leave the device (None: any in `zero`)."""
-    offload_params_max_tp: int | None = None
-    """Largest tp allowed for a layout whose parameters leave the device (None: any)."""
     sp: tuple[bool, ...] = (False, True)
     device_types: tuple[str, ...] | None = None
     """Only these device types (None: all)."""
@@ -53,9 +51,9 @@ class SearchOptions:
     """Also consider the megatron_uniform plan (which may fall outside the template space)."""
 
 
-RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2), offload_zero=(0,), offload_params_max_tp=1)
-"""The layouts `heteroflow train` runs: ZeRO 0-2 and every offload tier, with optimizer state or parameters
-off the device only under ZeRO 0 and parameters off the device only with tp 1 (ZeRO-3 is priced, not run).
+RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0,))
+"""The layouts `heteroflow train` runs: ZeRO 0-3 and every offload tier (parameters with any tp), with optimizer
+state or parameters off the device only under ZeRO 0.
 `heteroflow plan` and `plan: auto` search these; `heteroflow plan --all-layouts` the whole priced space."""
 
 @dataclass(frozen=True, slots=True)
@@ -172,5 +170,4 @@ def layouts_for(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: i
     """The layouts searched for a stage of `size` devices of `cls`."""
     return search_layouts(job.model, num_devices=size, node_count=cls.node_count, micro_batch_size=micro_batch_size,
                           zero=options.zero, recompute=options.recompute, offload=options.offload, sp=options.sp,
-                          offload_zero=options.offload_zero, offload_params_max_tp=options.offload_params_max_tp,
-                          precision=layout_precision(job, cls.precision))
+                          offload_zero=options.offload_zero, precision=layout_precision(job, cls.precision))

@@ -89,8 +89,8 @@ def test_train_refuses_offload_settings_it_does_not_run(env_cache, write_yaml):
         cluster: {nodes: [{name: a, device: cpu, count: 2}]}
         model: {preset: micro-llama}
         train: {global_batch_size: 4}
-        plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, tp: 2, offload: {params: cpu}}]}
+        plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, dp: 2, zero: 1, offload: {params: cpu}}]}
         """)
     result = heteroflow("train", str(job), "--emulate", env_cache=env_cache)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "plan.stages[0]: offload params: cpu needs tp: 1" in result.stderr
+    assert "plan.stages[0]: zero 1 together with offload {params: cpu} is not run" in result.stderr

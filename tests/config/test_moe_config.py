@@ -71,4 +71,5 @@ def test_layout_rules_for_moe():
     keys = {(p.key, p.message) for p in ParallelLayout(tp=4, sp=True).validate(spec)}
     assert ("tp", "tp 4 does not divide model.moe.ffn_hidden_size 30") in keys
     assert any(key == "sp" and "mixture-of-experts" in message for key, message in keys)
+    assert any(p.key == "cp" and "mixture-of-experts" in p.message for p in ParallelLayout(cp=2).validate(spec))
     assert not ParallelLayout(tp=2).validate(spec)

@@ -21,11 +21,27 @@ def test_activation_without_sp_splits_batch_over_dp_and_replicates_over_tp():
 
 def test_sequence_parallel_splits_seq_over_tp_inside_cp():
     layout = TensorLayout.activation((2, 16, 4), ranks=range(8), dp=2, cp=2, tp=2, sp=True)
-    # cp is outer, tp inner: cp0tp0, cp0tp1, cp1tp0, cp1tp1 hold the four sequence quarters in order.
-    assert [layout.box(r)[1] for r in range(4)] == [(0, 4), (4, 8), (8, 12), (12, 16)]
-    assert layout.box(5) == ((1, 2), (4, 8), (0, 4))
+    # cp is load-balanced (cp rank 0 holds quarters 0 and 3, cp rank 1 quarters 1 and 2) and tp splits
+    # each cp rank's local sequence: cp0tp0, cp0tp1, cp1tp0, cp1tp1.
+    assert [layout.box(r)[1] for r in range(4)] == [(0, 4), (12, 16), (4, 8), (8, 12)]
+    assert layout.box(5) == ((1, 2), (12, 16), (0, 4))
     assert layout.num_replicas == 1
     assert all(len(holders) == 1 for _, holders in layout.blocks())
+
+
+def test_context_parallel_ranks_hold_two_mirrored_chunks_in_local_order():
+    layout = TensorLayout.activation((1, 24, 2), ranks=range(6), cp=3, tp=2)
+    # 6 chunks of 4 tokens: cp rank r holds chunks r and 5 - r, replicated over its tp pair.
+    assert [tuple(p[1] for p in layout.parts(r)) for r in (0, 2, 4)] == [((0, 4), (20, 24)), ((4, 8), (16, 20)),
+                                                                         ((8, 16),)]
+    assert layout.local_shape(0) == (1, 8, 2)
+    assert layout.local_slices(0, ((0, 1), (21, 23), (0, 2))) == (slice(0, 1), slice(5, 7), slice(0, 2))
+    assert [holders for _, holders in layout.shares()] == [(0, 1), (2, 3), (4, 5)]
+    # tp 3 under sp cuts a cp rank's 8 local tokens across its two chunks.
+    sp = TensorLayout.activation((1, 12, 2), ranks=range(3), tp=3, sp=True)
+    assert [sp.parts(r)[0][1] for r in range(3)] == [(0, 4), (4, 8), (8, 12)]
+    odd = TensorLayout.activation((1, 24, 2), ranks=range(6), cp=2, tp=3, sp=True)
+    assert [p[1] for p in odd.parts(1)] == [(4, 6), (18, 20)]
 
 
 def test_blocks_tile_the_tensor_exactly():
@@ -60,7 +76,7 @@ def test_uneven_but_divisible_pairs_intersect_exactly():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(shape=(4, 8, 16), dp=3), "cannot split batch (size 4) of a [batch=4, seq=8, hidden=16] tensor 3 ways (dp=3)"),
     (dict(shape=(4, 6, 16), tp=4, sp=True), "cannot split seq (size 6)"),
-    (dict(shape=(4, 6, 16), tp=2, cp=2, sp=True), "4 ways (cp=2 * tp=2): 6 is not divisible by 4"),
+    (dict(shape=(4, 6, 16), tp=2, cp=2, sp=True), "8 ways (cp=2 (x2 chunks, load-balanced) * tp=2): 6 is not divisible by 8"),
     (dict(shape=(4, 8), dp=2), "an activation is [batch, seq, hidden]"),
     (dict(shape=(0, 8, 16)), "has an empty dim"),
 ])

@@ -262,12 +262,6 @@ def test_zero_with_offloaded_state_is_refused_naming_the_stage():
         check_offload_plan(job.plan)
 
 
-def test_params_offload_with_tp_is_refused_naming_the_stage():
-    job = _job([{"devices": ["a:0-1"], "layers": 4, "tp": 2, "offload": {"params": "cpu"}}])
-    with pytest.raises(UserError, match=r"plan\.stages\[0\]: offload params: cpu needs tp: 1.*use tp: 1 with dp"):
-        check_offload_plan(job.plan)
-
-
 def test_train_refuses_before_launch(tmp_path, monkeypatch):
     from heteroflow.launcher.prepare import TrainOptions
     from heteroflow.launcher.train import train_job
@@ -279,10 +273,12 @@ def test_train_refuses_before_launch(tmp_path, monkeypatch):
         train_job(job, TrainOptions(emulate=True, steps=1))
 
 
-def test_activation_offload_alone_and_optimizer_offload_with_tp_are_run():
+def test_activation_offload_alone_and_optimizer_or_params_offload_with_tp_are_run():
     check_offload_plan(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1,
                               "offload": {"activations": "cpu"}},
                              {"devices": ["a:2-3"], "layers": 2, "tp": 2, "offload": {"optimizer": "cpu"}}]).plan)
+    check_offload_plan(_job([{"devices": ["a:0-3"], "layers": 4, "tp": 2, "dp": 2,
+                              "offload": {"optimizer": "ssd", "params": "ssd"}}]).plan)
 
 
 def test_offload_dir_is_a_strict_job_key():
@@ -354,10 +350,10 @@ def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
     from heteroflow.layout import OffloadSpec
     from heteroflow.stagemap import SearchOptions, search_plan
 
-    # Llama-2 7B on two 32 GiB cards: without offload and without ZeRO-3 (not run) nothing fits.
+    # Llama-2 7B on two 32 GiB cards: without offload nothing fits (ZeRO-3 neither).
     job = parse_job({"cluster": SMALL_CARDS, "model": {"preset": "llama2-7b", "seq_length": 1024},
                      "train": {"global_batch_size": 16, "precision": "bf16"}})
-    assert not search_plan(job, options=SearchOptions(zero=(0, 1, 2), offload=(OffloadSpec(),))).feasible
+    assert not search_plan(job, options=SearchOptions(offload=(OffloadSpec(),))).feasible
     plan = search_plan_or_fail(job)
     assert any(stage.layout.offload.optimizer != "device" for stage in plan.stages)
     check_runnable(plan)
@@ -368,13 +364,17 @@ def test_every_layout_plan_auto_searches_is_run(num_devices, node_count):
     from heteroflow.config import StageSpec
     from heteroflow.config.cluster import DeviceRef
     from heteroflow.offload.stage_optimizer import check_offload_stage
+    from heteroflow.stagemap import RUNTIME_LAYOUTS
     from heteroflow.stagemap.layout import search_layouts
 
     job = parse_job({"cluster": SMALL_CARDS, "model": {"preset": "llama2-7b"}, "train": {"global_batch_size": 16}})
     model = job.model
     layouts = search_layouts(model, num_devices=num_devices, node_count=node_count, micro_batch_size=8,
-                             zero=(0, 1, 2), offload_zero=(0,), offload_params_max_tp=1)
-    assert any(lay.offload.params != "device" for lay in layouts) == (num_devices == 1)
+                             zero=RUNTIME_LAYOUTS.zero, offload_zero=RUNTIME_LAYOUTS.offload_zero)
+    # parameters leave the device at dp 1 (with dp > 1 the planner offloads them only under ZeRO-3, not run),
+    # so at any tp that fills the stage
+    offloads_params = {lay.tp for lay in layouts if lay.offload.params != "device"}
+    assert offloads_params == ({num_devices} if num_devices <= node_count else set())
     assert any(lay.offload.optimizer != "device" for lay in layouts)
     refs = tuple(DeviceRef(node="n0", index=i) for i in range(num_devices))
     for lay in layouts:
