@@ -32,6 +32,9 @@ PLANS = {
     # optimizer state in CPU memory: the gradients are summed over cp before the tier takes them
     "cp2-offload-optimizer": {"micro_batch_size": 4, "stages": [
         {"devices": ["npu-0"], "layers": 4, "cp": 2, "offload": {"optimizer": "cpu"}}]},
+    # parameters in CPU memory too: offloaded blocks' gradients are summed over cp in the optimizer tier
+    "cp2-offload-params": {"micro_batch_size": 4, "stages": [
+        {"devices": ["npu-0"], "layers": 4, "cp": 2, "offload": {"optimizer": "cpu", "params": "cpu"}}]},
 }
 
 
@@ -70,7 +73,8 @@ def _reference(job_data: dict, tie: bool, data_dir: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tie", [("cp2-tp2", False), ("cp2-tp2-sp", False), ("cp2-to-cp1", True),
-                                      ("tp2-to-cp2", False), ("cp2-offload-optimizer", False)])
+                                      ("tp2-to-cp2", False), ("cp2-offload-optimizer", False),
+                                      ("cp2-offload-params", False)])
 def test_context_parallel_plan_matches_single_process(data_dir, name, tie):
     job_data = {"cluster": CLUSTER, "model": {"preset": "micro-llama", "tie_embeddings": tie}, "train": TRAIN}
     ref_losses, ref_weights = _reference(job_data, tie, data_dir)
