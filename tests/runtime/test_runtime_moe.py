@@ -11,8 +11,9 @@ import torch
 
 from heteroflow.config import parse_job
 from heteroflow.runtime.reference import train_reference
-from heteroflow.runtime.worker import WorkerArgs, run_worker
+from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.testing import run_ranks
+from heteroflow.testing.training import assemble_weights, train_rank
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 2},
@@ -27,17 +28,6 @@ PLAN = {"schedule": "1f1b", "micro_batch_size": 4, "stages": [
     {"devices": ["npu-0"], "layers": 1, "tp": 1, "dp": 1}]}
 
 
-def _train_rank(rank: int, world_size: int, args: WorkerArgs):
-    return run_worker(args)
-
-
-def assemble(results) -> dict[str, torch.Tensor]:
-    """Full logical parameters from every rank's shards."""
-    full: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, (local, shard) in result.state.items():
-            shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
-    return full
 
 
 @pytest.mark.slow
@@ -49,9 +39,9 @@ def test_two_stage_tp_plan_matches_single_process(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=STEPS, data_dir=data_dir, return_state=True,
                       show_progress=False, timeout_s=120, metrics_path=str(metrics))
-    results = run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)
+    results = run_ranks(train_rank, job.plan.num_devices, args, timeout_s=300)
     assert results[0].losses == pytest.approx(ref_losses, rel=1e-5)
-    weights = assemble(results)
+    weights = assemble_weights(results)
     for name, want in ref_weights.items():  # the router and gates included: their tp gradients are right
         torch.testing.assert_close(weights[name], want, rtol=1e-4, atol=1e-5, msg=name)
     records = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line]
@@ -122,7 +112,7 @@ def test_init_from_mixtral_first_step_loss_matches_transformers(tmp_path, plan):
     data_dir = str(tmp_path / "data")
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=1, data_dir=data_dir, show_progress=False,
                       timeout_s=120)
-    loss = run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)[0].losses[0]
+    loss = run_ranks(train_rank, job.plan.num_devices, args, timeout_s=300)[0].losses[0]
     data = open_train_data(job, work_dir=data_dir, steps=1)
     tokens, labels = data.batch(data.order.global_batch(0))
     with torch.no_grad():
