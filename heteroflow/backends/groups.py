@@ -2,8 +2,8 @@
 
 torch requires every rank to call `new_group` for every group, members or not, in the same order.
 `build_process_groups` walks the plan the same way on all ranks: per stage (pipeline order) its
-stage-wide group, tp groups, cp groups, dp groups and any fan-out group that is not already one of
-those; then per boundary one group spanning both stages. The world (default group) is gloo: no single
+stage-wide group, tp groups, cp groups, dp groups, its cp x dp replica groups when cp > 1 (with cp 1
+they are the dp groups) and any fan-out group that is not already one of those; then per boundary one group spanning both stages. The world (default group) is gloo: no single
 vendor backend reaches every device of a mixed cluster.
 
 Backends: a stage's groups use its vendor's backend (nccl for CUDA and ROCm, hccl for Ascend, gloo for
@@ -55,6 +55,8 @@ class ProcessGroups:
     tp: dist.ProcessGroup
     cp: dist.ProcessGroup
     dp: dist.ProcessGroup
+    replicas: dist.ProcessGroup
+    """This rank's cp x dp group: every rank of the stage holding the same weights (its dp group when cp is 1)."""
     fanout: dist.ProcessGroup | None
     """This rank's activation replica set (its tp group unless sp); None when it has no replicas."""
     prev: BoundaryLink | None
@@ -71,7 +73,7 @@ class ProcessGroups:
 
     def member_groups(self) -> list[dist.ProcessGroup]:
         """Every group `build_process_groups` created that this rank belongs to (not the world), once each."""
-        candidates = [self.stage, self.tp, self.cp, self.dp, self.fanout,
+        candidates = [self.stage, self.tp, self.cp, self.dp, self.replicas, self.fanout,
                       *(link.group for link in (self.prev, self.next) if link is not None)]
         unique: dict[int, dist.ProcessGroup] = {}
         for group in candidates:
@@ -133,6 +135,11 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
                 groups_by_ranks.setdefault(ranks, group)
                 if group is not None:
                     mine[name] = group
+        for ranks in rank_map.replica_groups(s.index):
+            if ranks not in groups_by_ranks:  # with cp 1 the dp group: reuse it
+                groups_by_ranks[ranks] = new_group(f"stage{s.index}.replicas", ranks, backend)
+            if rank in ranks:
+                mine["replicas"] = groups_by_ranks[ranks]
         for ranks in rank_map.fanout_groups(s.index):
             if ranks not in groups_by_ranks:  # the tp group in practice; reuse rather than duplicate
                 groups_by_ranks[ranks] = new_group(f"stage{s.index}.fanout", ranks, backend)
@@ -159,8 +166,8 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
     return ProcessGroups(rank=rank, rank_map=rank_map, emulate=emulate,
                          backend="gloo" if emulate else rank_map.stages[me.stage].backend,
                          world=dist.group.WORLD, stage=mine["stage"], tp=mine["tp"], cp=mine["cp"], dp=mine["dp"],
-                         fanout=mine.get("fanout"), prev=links.get(me.stage - 1), next=links.get(me.stage),
-                         created=tuple(created))
+                         replicas=mine["replicas"], fanout=mine.get("fanout"), prev=links.get(me.stage - 1),
+                         next=links.get(me.stage), created=tuple(created))
 
 
 def _barrier_device(backend: str, local_device: int) -> dict:

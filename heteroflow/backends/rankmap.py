@@ -131,6 +131,13 @@ class RankMap:
         s, lay = self.stages[stage], self.stages[stage].layout
         return [tuple(s.rank(dp=d, cp=c, tp=t) for d in range(lay.dp)) for c in range(lay.cp) for t in range(lay.tp)]
 
+    def replica_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """Ranks of each cp x dp group of `stage` (fixed tp), ascending: every rank that holds a replica of the
+        same weights (cp splits only the sequence). ZeRO-3 shards over it (`models.zero3`)."""
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return [tuple(sorted(s.rank(dp=d, cp=c, tp=t) for d in range(lay.dp) for c in range(lay.cp)))
+                for t in range(lay.tp)]
+
     def activation_layout(self, stage: int, shape: Sequence[int]) -> TensorLayout:
         """How `stage` holds a `[batch, seq, hidden]` activation of one micro-batch."""
         s, lay = self.stages[stage], self.stages[stage].layout

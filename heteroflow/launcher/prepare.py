@@ -124,12 +124,6 @@ def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = 
 def check_runnable(plan: PlanSpec) -> None:
     """Refuse what the planner prices but the runtime does not run yet."""
     check_offload_plan(plan)
-    for k, stage in enumerate(plan.stages):
-        lay = stage.layout
-        if lay.cp > 1 and lay.zero == 3:
-            raise UserError(f"plan.stages[{k}]: cp {lay.cp} with zero: 3 is not run yet: the weights' gradients are "
-                            "summed over cp on whole tensors, ZeRO-3 keeps them sharded over dp; use zero: 1 or 2 "
-                            "with cp, or cp: 1")
 
 
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:

@@ -1,4 +1,9 @@
-"""ZeRO-3 for one stage: FSDP2 (`fully_shard`) per decoder block over the stage's dp group.
+"""ZeRO-3 for one stage: FSDP2 (`fully_shard`) per decoder block over the stage's cp x dp group.
+
+The runtime passes the stage's replica group (`ProcessGroups.replicas`: the cp x dp ranks of one tp rank, its
+dp group when cp is 1) as `dp_group`: cp splits only the sequence, so its ranks hold replicas of the weights
+whose gradients must be summed, like dp's; sharding over both (as Megatron's distributed optimizer does under
+cp) lets one reduce-scatter sum over cp and dp at once. Below, "dp" stands for that group.
 
 What runs, per rank of a stage with dp ranks (after `parallelize_stage` has cut the tp shards):
   * every parameter (its tp-local tensor) is split by rows over dp (FSDP2's `Shard(0)`): the rank keeps

@@ -131,8 +131,10 @@ class TrainCheckpoints:
         """Write checkpoint `step` (the next step to run) from every rank; collective."""
         started = time.perf_counter()
         info = self.rt.info
-        # cp ranks hold the same weights and optimizer state (cp splits only the sequence): cp rank 0 writes
-        pieces = stage_pieces(self.rt.model, self.rt.optimizer, tp_rank=info.tp, dp_rank=info.dp) if info.cp == 0 else []
+        # cp ranks hold the same weights and optimizer state (cp splits only the sequence): cp rank 0 writes,
+        # unless ZeRO-3 shards them over cp x dp: then each rank writes its own range
+        writes = info.cp == 0 or self.rt.shards_over_cp
+        pieces = stage_pieces(self.rt.model, self.rt.optimizer, tp_rank=info.tp, dp_rank=info.dp) if writes else []
         gbs = self.job.train.global_batch_size
         metadata = {"model": self.job.model.to_dict(), "train": self.job.train.to_dict(),
                     "plan": self.plan.to_dict(), "cluster": self.job.cluster.to_dict(),

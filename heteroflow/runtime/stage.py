@@ -75,6 +75,12 @@ class StageRuntime:
         """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
         return self.optimizer.report() if isinstance(self.optimizer, OffloadedAdamW) else None
 
+    @property
+    def shards_over_cp(self) -> bool:
+        """Whether the optimizer shards over cp x dp (ZeRO-3): its gradients arrive summed over cp, and each cp
+        rank holds (and counts, and writes) its own part; otherwise cp ranks hold the same whole gradients."""
+        return isinstance(self.optimizer, Zero3AdamW)
+
     def sync_tied_grads(self) -> None:
         """Sum the gradient of an embedding tied across stages with the other end's (first and last stage ranks;
         a no-op elsewhere). Call after the step's backwards, before `optimizer.reduce_grads`."""
@@ -118,8 +124,9 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     t = job.train
     precision = stage.layout.compute_precision(t.precision)
     if stage.layout.zero == 3 and not offloads_state(stage):
-        # FSDP2 keeps the fp32 shards as the master weights and gathers them in the stage's precision
-        shard_stage_zero3(model, dp_group=groups.dp, device_type=device.torch_device.type,
+        # FSDP2 keeps the fp32 shards as the master weights and gathers them in the stage's precision. It shards
+        # over cp x dp (as Megatron's distributed optimizer under cp): its reduce-scatter sums over both at once.
+        shard_stage_zero3(model, dp_group=groups.replicas, device_type=device.torch_device.type,
                           param_dtype=None if precision == "fp32" else _DTYPES[precision])
     else:
         # The parameters live in the stage's compute dtype (`heteroflow.layout.state_bytes`): the optimizer's fp32
@@ -129,7 +136,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         optimizer: StageOptimizer = offloaded_optimizer(model, job=job, stage=stage, stage_index=k, groups=groups,
                                                         device=device)
     elif stage.layout.zero == 3:
-        optimizer = Zero3AdamW(model, dp_group=groups.dp, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
+        optimizer = Zero3AdamW(model, dp_group=groups.replicas, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
                                eps=t.adam_eps, weight_decay=t.weight_decay)
     else:
         optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.layout.zero, 2),

@@ -182,15 +182,15 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             inject_grad_fault(rt.model, rank, step, rt.optimizer.grad_of)
             with timer.part("dp"):
                 rt.sync_tied_grads()
-                if cp > 1:  # replicated weights saw only this rank's tokens: sum over cp, then over dp as always
+                if cp > 1 and not rt.shards_over_cp:  # weights saw only this rank's tokens: sum over cp, then dp
                     all_reduce_cp_grads(rt.model, groups.cp, grad_of=rt.optimizer.grad_of)
                 rt.optimizer.reduce_grads()
             with timer.part("optimizer"):  # the norm share is the clipping's, priced with the optimizer step
                 norm_share = rt.optimizer.grad_sq_norm_share().float().cpu()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
-            # cp ranks hold the same gradients after the cp sum: one of them counts them.
-            if info.cp != 0:
+            # cp ranks hold the same gradients after the cp sum: one of them counts them (ZeRO-3 shards them).
+            if info.cp != 0 and not rt.shards_over_cp:
                 norm_share = norm_share * 0  # keeps a nan or inf of this rank visible to all
             aux_share = take_aux_losses(rt.model)
             totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(()),

@@ -1,6 +1,6 @@
 """Context-parallel plans reproduce single-process training over 3 steps (losses within 1e-5 relative, final
-weights), across boundaries between stages of different cp, and a checkpoint taken under cp 2 resumes under
-cp 1 with the uninterrupted run's losses."""
+weights), across boundaries between stages of different cp, with ZeRO-3 sharded over cp x dp, and checkpoints
+taken under cp 2 (also cp 2 x dp 2 ZeRO-3) resume under cp 1 with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
@@ -36,6 +36,15 @@ PLANS = {
     # parameters in CPU memory too: offloaded blocks' gradients are summed over cp in the optimizer tier
     "cp2-offload-params": {"micro_batch_size": 4, "stages": [
         {"devices": ["npu-0"], "layers": 4, "cp": 2, "offload": {"optimizer": "cpu", "params": "cpu"}}]},
+    # ZeRO-3 sharded over cp x dp: FSDP2's reduce-scatter sums over cp and dp at once
+    "cp2-dp2-zero3": {"micro_batch_size": 4, "stages": [
+        {"devices": ["gpu-0"], "layers": 4, "cp": 2, "dp": 2, "zero": 3}]},
+    # tp 2 then cp 2 x dp 1 ZeRO-3 with the tied embedding's shards exchanged across stages
+    "tp2-to-cp2-zero3": {"micro_batch_size": 4, "stages": [
+        {"devices": ["npu-0"], "layers": 2, "tp": 2},
+        {"devices": ["gpu-0:0-1"], "layers": 2, "cp": 2, "zero": 3}]},
+    "cp2-tp2-zero3": {"micro_batch_size": 4, "stages": [
+        {"devices": ["gpu-0"], "layers": 4, "tp": 2, "cp": 2, "zero": 3}]},
 }
 
 
@@ -65,7 +74,8 @@ def _reference(job_data: dict, tie: bool, data_dir: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tie", [("cp2-tp2", False), ("cp2-tp2-sp", False), ("cp2-to-cp1", True),
                                       ("tp2-to-cp2", False), ("cp2-offload-optimizer", False),
-                                      ("cp2-offload-params", False)])
+                                      ("cp2-offload-params", False), ("cp2-dp2-zero3", False),
+                                      ("tp2-to-cp2-zero3", True), ("cp2-tp2-zero3", False)])
 def test_context_parallel_plan_matches_single_process(data_dir, name, tie):
     job_data = {"cluster": CLUSTER, "model": {"preset": "micro-llama", "tie_embeddings": tie}, "train": TRAIN}
     ref_losses, ref_weights = _reference(job_data, tie, data_dir)
@@ -87,14 +97,18 @@ def test_context_parallel_plan_matches_single_process(data_dir, name, tie):
 
 
 @pytest.mark.slow
-def test_checkpoint_under_cp2_resumes_under_cp1(tmp_path, data_dir):
+@pytest.mark.parametrize("plan,cp1_stage", [
+    ("cp2-tp2", {"devices": ["npu-0"], "layers": 4, "tp": 2}),
+    # each cp x dp rank writes its own ZeRO-3 range; a dp 2 ZeRO-1 stage reads the same layout-free format
+    ("cp2-dp2-zero3", {"devices": ["npu-0"], "layers": 4, "dp": 2, "zero": 1})])
+def test_checkpoint_under_cp2_resumes_under_cp1(tmp_path, data_dir, plan, cp1_stage):
     ckpt_dir = tmp_path / "ckpt"
     job_data = {"cluster": CLUSTER, "model": {"preset": "micro-llama"},
                 "train": {**TRAIN, "checkpoint": {"dir": str(ckpt_dir), "interval": 2, "keep": 1}}}
     ref_losses, _ = _reference({**job_data, "train": TRAIN}, False, data_dir)
-    first = _run(job_data, PLANS["cp2-tp2"], steps=2, data_dir=data_dir)
+    first = _run(job_data, PLANS[plan], steps=2, data_dir=data_dir)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-000002"]
-    cp1 = {"micro_batch_size": 4, "stages": [{"devices": ["npu-0"], "layers": 4, "tp": 2}]}
+    cp1 = {"micro_batch_size": 4, "stages": [cp1_stage]}
     resumed = _run(job_data, cp1, steps=STEPS, data_dir=data_dir, resume=True)
     assert resumed[0].first_step == 2
     losses = list(first[0].losses) + list(resumed[0].losses)
