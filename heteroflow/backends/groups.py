@@ -3,8 +3,9 @@
 torch requires every rank to call `new_group` for every group, members or not, in the same order.
 `build_process_groups` walks the plan the same way on all ranks: per stage (pipeline order) its
 stage-wide group, tp groups, cp groups, dp groups, its cp x dp replica groups when cp > 1 (with cp 1
-they are the dp groups) and any fan-out group that is not already one of those; then per boundary one group spanning both stages. The world (default group) is gloo: no single
-vendor backend reaches every device of a mixed cluster.
+they are the dp groups) and any fan-out group that is not already one of those; then per boundary one
+group spanning both stages. The world (default group) is gloo: no single vendor backend reaches every
+device of a mixed cluster.
 
 Backends: a stage's groups use its vendor's backend (nccl for CUDA and ROCm, hccl for Ascend, gloo for
 CPU); a boundary between two stages of one vendor uses that backend too (direct point-to-point),

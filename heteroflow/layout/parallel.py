@@ -106,6 +106,12 @@ class ParallelLayout:
         """Devices (ranks) the layout spans."""
         return self.tp * self.cp * self.dp
 
+    @property
+    def replicas(self) -> int:
+        """Ranks of the stage holding the same weights: cp x dp (cp splits only the sequence). ZeRO-3 shards each
+        parameter over them (`models.zero3`), ZeRO 1 and 2 over dp alone."""
+        return self.cp * self.dp
+
     def compute_precision(self, default: str) -> str:
         """The precision the stage computes in: its own, or `default` (the job's) when it sets none."""
         return self.precision or default

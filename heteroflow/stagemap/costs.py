@@ -214,7 +214,7 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     off = layout.offload
     if off.params != "device":
         read_bw, write_bw = _tier_bandwidth(hw.device, hw, off.params)
-        shard = b.p_layer / (layout.dp if layout.zero >= 3 else 1)
+        shard = b.p_layer / (layout.replicas if layout.zero >= 3 else 1)
         overlap_fwd += shard * b.wb / (read_bw * 1e9)
         overlap_bwd += shard * b.wb / (read_bw * 1e9) + shard * b.gb / (write_bw * 1e9)
     if off.activations != "device":
@@ -312,10 +312,12 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     emb_f, head_f, head_b = emb_f + comm_emb_f, head_f + comm_head_f, head_b + comm_head_b
     p_emb, p_head = embedding_params_per_rank(model, tp), head_params_per_rank(model, tp, single_stage=False)
     # ZeRO-3: the embedding and the head are units of their own: gathered for forward; gathered again and
-    # their fp32 gradients reduce-scattered (the same ring traffic as an all-gather) in backward.
-    emb_gather, head_gather = all_gather_s(p_emb * wb, dp, dp_bw, dp_lat), all_gather_s(p_head * wb, dp, dp_bw, dp_lat)
-    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * REDUCE_BYTES, dp, dp_bw, dp_lat),
-             head_gather, head_gather + all_gather_s(p_head * REDUCE_BYTES, dp, dp_bw, dp_lat))
+    # their fp32 gradients reduce-scattered (the same ring traffic as an all-gather) in backward. Every ZeRO-3
+    # collective spans the stage's cp x dp ranks (`ParallelLayout.replicas`), timed on the dp link.
+    z3 = cp * dp
+    emb_gather, head_gather = all_gather_s(p_emb * wb, z3, dp_bw, dp_lat), all_gather_s(p_head * wb, z3, dp_bw, dp_lat)
+    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * REDUCE_BYTES, z3, dp_bw, dp_lat),
+             head_gather, head_gather + all_gather_s(p_head * REDUCE_BYTES, z3, dp_bw, dp_lat))
     params = Affine(0.0, p_layer, 0.0, p_emb, p_head,
                     -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0)
     return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
@@ -323,9 +325,9 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + lc.overhead_backward_s,
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                  comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
-                 p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, dp, dp_bw, dp_lat),
+                 p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, z3, dp_bw, dp_lat),
                  scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat),
-                 zero3_scatter_s=all_gather_s(p_layer * REDUCE_BYTES, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
+                 zero3_scatter_s=all_gather_s(p_layer * REDUCE_BYTES, z3, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
@@ -365,7 +367,8 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     of the updated parameters)."""
     dp = layout.dp
     dp_const = dp_per_param = opt_const = opt_per_param = 0.0
-    if layout.cp > 1:  # each cp rank's gradients are those of its tokens: summed over cp first
+    if layout.cp > 1 and layout.zero < 3:  # each cp rank's gradients are its tokens': summed over cp first
+        # (ZeRO-3's reduce-scatter sums over cp x dp at once, during the backward)
         cp_gb_per_s, cp_latency_s = dev.tp_link()
         dp_per_param += 2 * (layout.cp - 1) / layout.cp * gb / (cp_gb_per_s * 1e9)
         dp_const += 2 * (layout.cp - 1) * cp_latency_s
@@ -382,7 +385,7 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
         elif layout.zero == 2:  # the reduce-scatter is overlapped with the backward
             opt_per_param += ring * wb
             opt_const += (dp - 1) * dp_lat
-    shard = 1.0 / dp if layout.zero >= 1 else 1.0
+    shard = 1.0 / (layout.replicas if layout.zero >= 3 else dp) if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":
         flat = 0 if layout.zero >= 3 else FLAT_BUFFER_BYTES_PER_PARAM  # ZeRO-3 steps on its shards in place

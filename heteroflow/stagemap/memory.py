@@ -56,8 +56,8 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 ZERO3_SHARD_BYTES = (4, 4, 8)
-"""ZeRO-3 (`models.zero3`), bytes per parameter split over dp: the fp32 parameter shard (which is the master
-weight), its fp32 gradient shard and the fp32 Adam moments."""
+"""ZeRO-3 (`models.zero3`), bytes per parameter split over cp x dp (`ParallelLayout.replicas`): the fp32 parameter
+shard (which is the master weight), its fp32 gradient shard and the fp32 Adam moments."""
 REDUCE_BYTES = 4
 """Gradients are reduce-scattered in fp32 under ZeRO-3, whatever the stage computes in."""
 
@@ -203,7 +203,8 @@ def memory_model(model: ModelSpec, layout: ParallelLayout, *, tokens: float, pre
 
 def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel:
     """Apply a layout's ZeRO stage, recompute and offload to the shared pieces."""
-    dp, zero, off = layout.dp, layout.zero, layout.offload
+    zero, off = layout.zero, layout.offload
+    dp = layout.replicas if zero >= 3 else layout.dp  # the ranks the sharded state is split over
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
 
@@ -279,7 +280,7 @@ def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     out = _ZERO
     if layout.offload.optimizer == "device":
-        k = parts.gb / (layout.dp if layout.zero >= 3 else 1)
+        k = parts.gb / (layout.replicas if layout.zero >= 3 else 1)
         out = Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
     if layout.offload.params != "device":
         out = out._replace(const=out.const + p_layer * parts.wb)
@@ -289,7 +290,8 @@ def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
 def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
     a test checks both agree)."""
-    dp, zero, off = layout.dp, layout.zero, layout.offload
+    zero, off = layout.zero, layout.offload
+    dp = layout.replicas if zero >= 3 else layout.dp  # the ranks the sharded state is split over
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
     const = parts.reserve

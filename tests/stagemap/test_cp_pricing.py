@@ -1,6 +1,7 @@
 """The planner prices context parallelism as the runtime runs it (`models/cp_attention.py`): the sequence
 split over cp, K/V all-gathered forward and gathered plus reduce-scattered backward (exposed), the weights'
-gradients all-reduced over cp in the tail, and the backward's gathered K/V as transient memory."""
+gradients all-reduced over cp in the tail (unless ZeRO-3 shards over cp x dp), and the backward's gathered K/V as
+transient memory."""
 
 from __future__ import annotations
 
@@ -59,3 +60,19 @@ def test_cp_gradients_are_all_reduced_in_the_tail():
     assert cp2.tail_per_param_s - base.tail_per_param_s == pytest.approx(all_reduce_s(grad_bytes, 2, link, 0.0))
     assert cp2.tail_const_s - base.tail_const_s == pytest.approx(2 * latency)
     assert one.tail_per_param_s > base.tail_per_param_s  # dp 2 reduces too, on its own link
+
+
+def test_zero3_under_cp_is_priced_as_sharded_over_cp_times_dp():
+    # `models.zero3` shards over the stage's cp x dp ranks: its state is that of ZeRO-3 over 4 dp ranks, and the
+    # cp sum of the tail is its reduce-scatter (in the backward), not a separate all-reduce.
+    hw4 = StageHardware(device=A100, num_devices=4, num_nodes=1, node_count=8)
+    cp2dp2 = stage_costs(MODEL, hw4, ParallelLayout(cp=2, dp=2, zero=3), 4, HARDWARE)
+    dp4 = stage_costs(MODEL, hw4, ParallelLayout(dp=4, zero=3), 4, HARDWARE)
+    cp2dp2_z1 = stage_costs(MODEL, hw4, ParallelLayout(cp=2, dp=2, zero=1), 4, HARDWARE)
+    for part in ("weights", "gradients", "optimizer"):
+        assert getattr(cp2dp2.memory, part) == getattr(dp4.memory, part), part
+    assert cp2dp2.memory.optimizer.per_layer == pytest.approx(dp4.memory.optimizer.per_layer)
+    assert cp2dp2.memory.optimizer.per_layer < cp2dp2_z1.memory.optimizer.per_layer / 1.5  # z1: dp 2 only
+    assert cp2dp2.tail_per_param_s == pytest.approx(dp4.tail_per_param_s)
+    assert cp2dp2.tail_const_s == pytest.approx(dp4.tail_const_s)
+    assert cp2dp2_z1.tail_const_s > dp4.tail_const_s  # ZeRO-1 under cp still all-reduces over cp in the tail
