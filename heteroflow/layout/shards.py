@@ -84,7 +84,8 @@ def counted_once(*, split_over_tp: bool, tp_rank: int, dp_rank: int = 0, split_o
     checkpoint), so that every value of the model counts exactly once over the world.
 
     A value split over tp counts on every tp rank (each holds a different part), a tp-replicated one on tp
-    rank 0; likewise over dp (ZeRO-sharded state is split, plain replicas count on dp rank 0). The LM head's
+    rank 0; likewise over dp (ZeRO-sharded state is split, plain replicas count on dp rank 0; ZeRO-3 splits over
+    cp x dp, so its `dp_rank` is the rank in that group). The LM head's
     copy of an embedding tied across stages never counts: it equals the first stage's embedding.
     """
     return (not tied_head_copy and (split_over_tp or tp_rank == 0)

@@ -88,6 +88,7 @@ def mixed_worker(rank: int, world_size: int) -> dict:
                                               "banks": getattr(link.transport, "num_banks", 0)}
              for name, link in (("prev", groups.prev), ("next", groups.next))}
     return {"stage": stage, "tp": _ranks(groups.tp), "dp": _ranks(groups.dp), "cp": _ranks(groups.cp),
+            "replicas": _ranks(groups.replicas),
             "stage_ranks": _ranks(groups.stage), "fanout": _ranks(groups.fanout), "links": links,
             "created": groups.created, "backend": groups.backend}
 
@@ -100,6 +101,8 @@ def test_groups_and_boundaries_of_a_mixed_vendor_plan():
     assert created[-2:] == (("boundary0.direct", (0, 1, 2, 3), "gloo"),
                             ("boundary1.bridge", (2, 3, 4, 5, 6, 7), "gloo"))
     assert not any(name.endswith("fanout") for name, _, _ in created)  # fan-out reuses the tp groups
+    assert not any(name.endswith("replicas") for name, _, _ in created)  # cp 1 everywhere: the dp groups
+    assert all(r["replicas"] == r["dp"] for r in results)
     assert {backend for _, _, backend in created} == {"gloo"}  # emulation
     expected = {0: ([0, 1], [0], [0, 1]), 2: ([2], [2, 3], None), 5: ([4, 5], [5, 7], [4, 5]),
                 6: ([6, 7], [4, 6], [6, 7])}

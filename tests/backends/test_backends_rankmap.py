@@ -52,6 +52,7 @@ def test_rank_order_follows_the_devices_list_with_tp_inside_cp_inside_dp():
     assert ranks.tp_groups(0) == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert ranks.cp_groups(0) == [(0, 2), (1, 3), (4, 6), (5, 7)]
     assert ranks.dp_groups(0) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert ranks.replica_groups(0) == [(0, 2, 4, 6), (1, 3, 5, 7)]  # cp x dp: what ZeRO-3 shards over
     assert ranks.rank_at("gpu-0", 0) == 4
 
 
