@@ -13,7 +13,8 @@
     offload.close()                                        # also on failure: use it as a context manager
 
 `decays(param)` picks the parameters weight decay applies to (default: all). `swap_label` names the rank in
-its swap directory's name (the runtime passes its stage, dp, cp and tp indices).
+its swap directory's name (the runtime passes its stage, dp, cp and tp indices). `owned` (ZeRO 1/2): the part
+of each group whose optimizer state this rank keeps (`StreamedAdamW`).
 
 Groups: block i is `block{i}` (parameters in `block.parameters()` order), then each `other_params`
 group in the order given. Use the same order for a reference optimizer to compare bit for bit.
@@ -45,7 +46,7 @@ class StageOffload:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  checkpoint_dirs: Iterable[str] = (), adam_impl: str | None = None,
                  budget: DeviceBudget | None = None, decays: Callable[[torch.Tensor], bool] | None = None,
-                 swap_label: str = "") -> None:
+                 swap_label: str = "", owned: Mapping[str, tuple[int, int]] | None = None) -> None:
         self.policy, self.device = policy, device
         self.budget = budget if budget is not None else DeviceBudget(policy.device_budget_bytes)
         self.blocks = list(blocks)
@@ -76,7 +77,8 @@ class StageOffload:
             self._charged = resident_bytes
             self.optimizer = StreamedAdamW(groups, store=self.opt_store, tier=policy.optimizer, betas=betas, eps=eps,
                                            weight_decay=weight_decay, chunk_numel=policy.chunk_numel,
-                                           param_store=self.param_store, impl=adam_impl, decays=decays)
+                                           param_store=self.param_store, impl=adam_impl, decays=decays,
+                                           owned=owned)
             if policy.params != "device":
                 self.params = OffloadedParams(blocks, store=self.param_store, tier=policy.params,
                                               names=self.block_names,

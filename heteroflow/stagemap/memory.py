@@ -6,7 +6,8 @@ of its weights and activations, `state_bytes_per_param` its training state per p
 parameter, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps 4 + 4 bytes and
 8 bytes of moments. Everything is divided by tp (kv heads replicated when tp exceeds them);
 ZeRO over the stage's dp divides the optimizer state (stage >= 1), gradients (>= 2) and weights (3, plus a
-prefetch buffer of two gathered layers). Offloading the optimizer removes its state from the device;
+prefetch buffer of two gathered layers). Offloading the optimizer moves its state, still divided by dp under
+ZeRO 1/2 (ZeRO-Offload), to the offload tier (`offloaded_optimizer_bytes`);
 offloading parameters leaves a window of two layers of weights and of gradients on the device (each tp
 rank's shards: the block in use and the one prefetched), plus the weights and gradients of the embedding,
 final norm and head, which the runtime keeps on the device (`offload.stage_optimizer`).
@@ -175,7 +176,7 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
         else:
             weights = state(parts.wb, 1)
         gradients = state(parts.gb, dp if zero >= 2 else 1)
-    optimizer = _ZERO if off.optimizer != "device" else state(parts.ob, dp if zero >= 1 else 1)
+    optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
         activations = Affine(2 * stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -187,6 +188,18 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
 
 
 _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def optimizer_state(parts: MemoryParts, layout: ParallelLayout) -> Affine:
+    """Optimizer state bytes of one device of a stage, wherever they live: 1/dp of the stage's under ZeRO >= 1
+    (also in the offload tier: ZeRO-Offload shards it over dp like the device does)."""
+    k = parts.ob / (layout.dp if layout.zero >= 1 else 1)
+    return Affine(0.0, parts.p_layer * k, 0.0, parts.p_embed * k, parts.p_head * k, parts.tied * k)
+
+
+def offloaded_optimizer_bytes(parts: MemoryParts, layout: ParallelLayout) -> Affine:
+    """Optimizer state bytes one device keeps in its offload tier (cpu or ssd); zero when it stays on the device."""
+    return optimizer_state(parts, layout) if layout.offload.optimizer != "device" else _ZERO
 
 
 def _offloaded_ends(parts: MemoryParts, zero: int) -> tuple[float, float, float]:
