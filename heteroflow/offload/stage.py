@@ -65,7 +65,7 @@ class StageOffload:
             if policy.uses_ssd:
                 assert policy.swap_root is not None
                 self.swap = SwapDir(policy.swap_root, checkpoint_dirs=checkpoint_dirs, label=swap_label)
-                self.swap.check_free(self._swap_bytes(groups))  # before anything is written
+                self.swap.check_free(self._swap_bytes(groups, owned or {}))  # before anything is written
             # Separate staging pools: parameter fetches and optimizer chunks differ in size and rhythm.
             self.param_store = TieredStore(device=device, budget=self.budget, swap=self.swap,
                                            max_in_flight=policy.max_in_flight)
@@ -87,13 +87,14 @@ class StageOffload:
             self.close()
             raise
 
-    def _swap_bytes(self, groups: Mapping[str, Sequence[nn.Parameter]]) -> int:
-        """Upper bound of the swap files this policy writes."""
+    def _swap_bytes(self, groups: Mapping[str, Sequence[nn.Parameter]], owned: Mapping[str, tuple[int, int]]) -> int:
+        """Upper bound of the swap files this policy writes (optimizer state: the `owned` part of each group)."""
         total = 0
         for name, ps in groups.items():
             numel = sum(p.numel() for p in ps)
             if self.policy.optimizer == "ssd":
-                total += 12 * numel + 3 * 8192 * (numel // self.policy.chunk_numel + 1)
+                held = owned[name][1] - owned[name][0] if name in owned else numel
+                total += 12 * held + 3 * 8192 * (held // self.policy.chunk_numel + 1)
             if self.policy.params == "ssd" and name in self.block_names:
                 total += sum(p.numel() * p.element_size() for p in ps) + 8192
         return total

@@ -154,3 +154,15 @@ def test_fp16_overflow_on_one_dp_rank_skips_the_step_on_all_and_state_bytes_matc
         planned = offloaded_optimizer_bytes(parts, stage.layout).at(stage.layers, 0, k == 0, k == 1)
         for r in results[2 * k:2 * k + 2]:
             assert abs(r.offload["optimizer_tier_bytes"] - planned) <= 12, (k, planned)
+
+
+def test_the_swap_space_check_counts_one_dp_share_of_the_ssd_state():
+    from heteroflow.launcher.swap import swap_bytes
+
+    def needed(zero: int) -> int:
+        stage = {"devices": ["a:0-3"], "layers": 4, "dp": 4, "zero": zero, "offload": {"optimizer": "ssd"}}
+        job = parse_job({"cluster": CLUSTER, "model": MODEL, "train": TRAIN,
+                         "plan": {"micro_batch_size": 4, "stages": [stage]}})
+        return swap_bytes(job, job.plan)
+
+    assert needed(1) == needed(2) < needed(0) / 3.5
