@@ -151,6 +151,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                              factors=factors, stage_parts=args.stage_parts, **kwargs)
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Run the best predicted plans briefly, calibrate from them, write the best measured plan."""
+    from heteroflow.config import load_job
+    from heteroflow.launcher.tune import TuneOptions, default_work_dir, tune_command
+    if (args.node is None) != (args.rdzv is None):
+        raise UserError("a multi-node tune needs both --node NAME and --rdzv HOST:PORT (on every node)")
+    work_dir = args.work_dir or default_work_dir(args.output)
+    check_output_paths(Output("-o", args.output), Output("--work-dir", work_dir, DIR))
+    job = load_job(args.job)
+    options = TuneOptions(output=args.output, top_k=args.top, steps=args.steps, emulate=args.emulate,
+                          work_dir=work_dir, timeout_s=args.timeout, node=args.node, rdzv=args.rdzv,
+                          join_timeout_s=args.join_timeout)
+    return tune_command(job, options)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure this machine's devices, links and disk for the cost model."""
     from heteroflow.measure.command import profile_command
@@ -281,6 +296,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "with per-stage figures)")
     p.add_argument("--json", action="store_true", help="print the calibration, sensitivities and residuals as JSON")
 
+    p = add("tune", cmd_tune, "run the best predicted plans for a few steps, calibrate from them, keep the best "
+            "measured plan")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("-o", "--output", metavar="PLAN.yaml", required=True, help="write the best measured plan here")
+    p.add_argument("--top", type=int, default=3, metavar="K", help="plans to run, best predicted first (default 3)")
+    p.add_argument("--steps", type=int, default=10, metavar="N",
+                   help="steps per plan, the first 2 (or 20%%) not measured (default 10, at least 3)")
+    p.add_argument("--emulate", action="store_true", help="run every rank as a local CPU process, as `train --emulate`")
+    p.add_argument("--work-dir", metavar="DIR", help="trial plans, metrics, logs and the calibration (default: "
+                   "PLAN.tune next to -o; must be empty); multi-node: the same shared directory on every node")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="step limit of each trial (as train)")
+    p.add_argument("--node", metavar="NAME", help="multi-node: the cluster node this machine is")
+    p.add_argument("--rdzv", metavar="HOST:PORT", help="multi-node: where the nodes meet for each trial")
+    p.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                   help="multi-node: how long the nodes wait for each other (default 300)")
+
     p = add("profile", cmd_profile, "measure this machine's devices, links and disk for the cost model")
     p.add_argument("-o", "--output", metavar="PROFILE.yaml", help="write the profile here")
     p.add_argument("--quick", action="store_true", help="small sizes: seconds instead of minutes")
@@ -297,7 +328,7 @@ _FLAG_LIMITS = {  # argparse dest -> the flag as written, and its allowed range
     "max_restarts": ("--max-restarts", limits.MAX_RESTARTS), "nnodes": ("--nnodes", limits.NUM_NODES),
     "nproc_per_node": ("--nproc-per-node", limits.DEVICES_PER_NODE), "vocab_size": ("--vocab-size", limits.VOCAB_SIZE),
     "max_micro_batch_size": ("--max-micro-batch-size", limits.MICRO_BATCH_SIZE),
-    "prior_weight": ("--prior-weight", limits.positive(100.0)),
+    "prior_weight": ("--prior-weight", limits.positive(100.0)), "top": ("--top", limits.integers(1, 64)),
 }
 
 

@@ -14,6 +14,8 @@ trade against, as in a rank-deficient Jacobian); it then stays near its prior.
 With `stage_parts`, the residuals also hold `PART_WEIGHT * (log(predicted) - log(measured))` of each stage's
 measured parts (`calibrate.runs.FIT_PARTS`) against the cost model's split of the same step
 (`stagemap.breakdown`).
+Emulated runs fit one set of factors (`emulated.gemm`, ...), written for every device type of the cluster:
+an emulated rank is a local CPU process whatever its label, so what one label's stages measured holds for all.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ STEP_LOG = 1e-3
 MAX_ITERATIONS = 50
 PART_WEIGHT = 0.5
 """With `stage_parts`, weight of one stage part's log misfit relative to a run's step time."""
+EMULATED = "emulated"
+"""The name of the one set of factors of emulated runs (every device type is the local CPU there)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,8 +72,14 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
     unknown = [f for f in factors if f not in FACTORS]
     if unknown:
         raise UserError(f"--factors: unknown factor {unknown[0]!r}; choose among {', '.join(FACTORS)}")
-    device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
-    params = [(d, f) for d in device_types for f in factors]
+    if emulate:
+        # Every emulated rank is the same local CPU whatever its label: one set of factors, shared by every
+        # device type of the cluster (a label the runs did not use is still this CPU).
+        device_types = sorted({n.device for run in runs for n in run.job.cluster.nodes})
+        params = [(EMULATED, f) for f in factors]
+    else:
+        device_types = sorted({stage.device_type for run in runs for stage in run.plan.stages})
+        params = [(d, f) for d in device_types for f in factors]
     profiles = [resolve_profile(run.job, None) for run in runs]  # read once, not at every evaluation
     parts = [run.measured_parts if stage_parts else () for run in runs]
     if stage_parts:  # a part the uncalibrated model does not price (no tp collective) cannot be fitted
@@ -83,7 +93,8 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
     def calibration_of(theta: np.ndarray) -> Calibration:
         values: dict[str, dict[str, float]] = {d: {} for d in device_types}
         for (d, f), t in zip(params, theta):
-            values[d][f] = math.exp(t)
+            for name in device_types if d == EMULATED else (d,):
+                values[name][f] = math.exp(t)
         return Calibration(factors={d: DeviceFactors(**v) for d, v in values.items()}, num_runs=len(runs),
                            emulate=emulate)
 

@@ -132,7 +132,7 @@ def _parse_layers(raw: object, path: str, first: int, problems: Problems) -> int
 def parse_plan(data: object, problems: Problems, *, cluster: ClusterSpec, model: ModelSpec, train: TrainSpec,
                path: str = "plan") -> PlanSpec | None:
     """Build and check an explicit plan against the cluster, model and train settings."""
-    sec = Section(data, path, problems, allow_extra=("predicted", "baselines"))
+    sec = Section(data, path, problems, allow_extra=("predicted", "baselines", "measured"))  # measured: `tune`
     version = sec.integer("version", PLAN_VERSION, limit=limits.FILE_VERSION)
     if version is not None and version > PLAN_VERSION:
         problems.add(sec.at("version"), f"plan version {version} is newer than this heteroflow "

@@ -22,6 +22,8 @@ Gradients of the stage's (replicated) weights are partial sums over cp, summed b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import torch
@@ -83,12 +85,15 @@ def apply_context_parallel(model: StageModel, group: ProcessGroup) -> None:
 
 
 @torch.no_grad()
-def all_reduce_cp_grads(model: nn.Module, group: ProcessGroup) -> None:
-    """Sum the weights' gradients over the cp group (each rank saw only its tokens), one flat buffer per dtype."""
+def all_reduce_cp_grads(model: nn.Module, group: ProcessGroup,
+                        grad_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.grad) -> None:
+    """Sum the weights' gradients over the cp group (each rank saw only its tokens), one flat buffer per dtype;
+    `grad_of(param)` is where the parameter's accumulated gradient lives (the optimizer's `grad_of`)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for param in model.parameters():
-        if param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+        grad = grad_of(param)
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

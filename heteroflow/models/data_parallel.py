@@ -1,25 +1,30 @@
-"""Gradient reduction inside a stage and its AdamW step: dp all-reduce, or ZeRO-1, with fp32 masters.
+"""Gradient reduction inside a stage and its AdamW step: dp all-reduce, or ZeRO-1/2, in Megatron's state layout.
 
 Per optimizer step, after every micro-batch's backward (the runtime scales each loss by
 1 / global tokens, so gradients are *summed* over micro-batches and dp ranks, never averaged):
 
-    sync_tied_grads(model, group=tied_group, tp_rank=..., dp_rank=...)   # only when tied across stages
+    sync_tied_grads(model, group=tied_group, tp_rank=..., dp_rank=..., grad_of=opt.grad_of)  # tied across stages
     opt.reduce_grads()            # sum partial grads over tp, then sum over dp (reduce-scatter with ZeRO)
     share = opt.grad_sq_norm_share()      # all-reduce the shares over the world -> global norm^2
     opt.step(lr=..., grad_scale=clip_coef)
     opt.zero_grad()
 
-Everything lives in flat fp32 buffers (one bucket, no overlap with backward: simple and exact; the
-cost is one extra fp32 copy of the gradients). ZeRO stage 1 and 2 behave the same here: gradients
-are reduce-scattered, and each dp rank keeps fp32 master weights and Adam moments for its 1/dp of
-the flat buffer only, then all-gathers the updated weights. Weight decay skips 1-D parameters
-(norm weights and biases), as Megatron-LM does. The update itself is `heteroflow.optim.adamw_step`
-(torch's functional AdamW), the one `OffloadedAdamW` runs too.
+The state is what `heteroflow.layout.state_bytes` prices for the stage's compute precision (read from the
+parameters' dtype): the parameters live in one flat buffer of that dtype (the model's tensors become views
+into it); each backward's gradient is added, as soon as autograd has accumulated it, into one flat fp32
+gradient buffer (Megatron's `main_grad`; a post-accumulate-grad hook adds it and frees the parameter's own
+`.grad`); the optimizer keeps an fp32 master copy (16-bit parameters only: fp32 parameters are their own
+master) and the Adam moments. ZeRO stage 1 and 2 behave the same: the gradient buffer is reduce-scattered,
+each dp rank keeps the master and moments of its 1/dp of the flat buffers only, updates that part of the
+parameters and all-gathers the rest. Weight decay skips 1-D parameters (norm weights and biases), as
+Megatron-LM does. The update itself is `heteroflow.optim.adamw_step` (torch's functional AdamW), the one
+`OffloadedAdamW` runs too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,16 +32,29 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from heteroflow.layout.shards import counted_once, zero_flat_range
+from heteroflow.layout.state import state_bytes
 from heteroflow.models.shard import shard_of
 from heteroflow.models.tp_ops import _ALL_GATHER, _REDUCE_SCATTER
 from heteroflow.optim.adamw import adamw_step
 
+PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The compute precision a parameter dtype stands for (the key of `heteroflow.layout.state_bytes`)."""
 
-def all_reduce_partial_grads(model: nn.Module, tp_group: ProcessGroup | None) -> None:
-    """Sum over tp the gradients marked `partial_grad` (norms under sp, q/k norms, replicated kv weights)."""
+
+def param_grad(param: nn.Parameter) -> torch.Tensor:
+    """`param.grad`, created as zeros when absent: a gradient accumulated by autograd, without an optimizer buffer."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def all_reduce_partial_grads(model: nn.Module, tp_group: ProcessGroup | None,
+                             grad_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda p: p.grad) -> None:
+    """Sum over tp the gradients marked `partial_grad` (norms under sp, q/k norms, replicated kv weights);
+    `grad_of(param)` is where the parameter's accumulated gradient lives (None: it has none)."""
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return
-    grads = [p.grad for p in model.parameters() if shard_of(p).partial_grad and p.grad is not None]
+    grads = [g for p in model.parameters() if shard_of(p).partial_grad and (g := grad_of(p)) is not None]
     if grads:
         flat = torch.cat([g.flatten().float() for g in grads])
         dist.all_reduce(flat, group=tp_group)
@@ -45,28 +63,33 @@ def all_reduce_partial_grads(model: nn.Module, tp_group: ProcessGroup | None) ->
 
 
 @torch.no_grad()
-def sync_tied_grads(model: nn.Module, *, group: ProcessGroup, tp_rank: int, dp_rank: int) -> None:
+def sync_tied_grads(model: nn.Module, *, group: ProcessGroup, tp_rank: int, dp_rank: int,
+                    grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad) -> None:
     """Sum the tied embedding's gradient (first stage) with the head copy's (last stage).
 
     Call on every rank of the first and the last stage, with `group` holding exactly those ranks,
-    before `reduce_grads`. Afterwards dp rank 0 of each stage holds its slice of the total and the
-    other dp ranks zeros, so the following dp sum leaves every rank of both stages with the total.
+    before `reduce_grads`; `grad_of(param)` is the writable tensor holding the parameter's accumulated
+    gradient (the optimizer's `grad_of`). Afterwards dp rank 0 of each stage holds its slice of the total
+    and the other dp ranks zeros, so the following dp sum leaves every rank of both stages with the total.
     Each stage may use its own tp and dp: the exchange goes through the full logical tensor.
     """
     for name in model.tied_parameter_names():
         param = model.get_parameter(name)
         shard = shard_of(param)
+        grad = grad_of(param)
         full = torch.zeros(shard.full_shape, dtype=torch.float32, device=param.device)
-        if param.grad is not None and counted_once(split_over_tp=shard.dim is not None, tp_rank=tp_rank):
-            shard.take(full).copy_(param.grad)
+        if counted_once(split_over_tp=shard.dim is not None, tp_rank=tp_rank):
+            shard.take(full).copy_(grad)
         dist.all_reduce(full, group=group)
-        total = shard.take(full)
-        param.grad = total.to(param.dtype, copy=True) if dp_rank == 0 else torch.zeros_like(param)
+        if dp_rank == 0:
+            grad.copy_(shard.take(full))
+        else:
+            grad.zero_()
 
 
 @dataclass(frozen=True, slots=True)
 class _Segment:
-    """Where a parameter sits in the flat buffer, and how it is treated."""
+    """Where a parameter sits in the flat buffers, and how it is treated."""
 
     param: nn.Parameter
     offset: int
@@ -78,11 +101,12 @@ class _Segment:
 
 
 class DataParallelAdamW:
-    """AdamW with fp32 master weights over one stage's parameters, gradients summed over `dp_group`
-    (a `heteroflow.optim.StageOptimizer`).
+    """AdamW over one stage's parameters in Megatron's state layout, gradients summed over `dp_group`
+    (a `heteroflow.optim.StageOptimizer`); see the module docstring.
 
     zero=0: every dp rank keeps all masters and moments; zero=1 (or 2): each keeps 1/dp of them.
-    Build it after the weights are initialized or loaded (the masters copy the current values).
+    Build it after the weights are initialized or loaded and cast to the stage's compute dtype: the
+    parameters move into the flat buffer and the masters start from their values.
     """
 
     def __init__(self, model: nn.Module, *, dp_group: ProcessGroup | None, tp_group: ProcessGroup | None = None,
@@ -107,21 +131,44 @@ class DataParallelAdamW:
             self.segments.append(_Segment(param, offset, param.numel(), param.dim() >= 2, counted))
             offset += param.numel()
         self.numel = offset
-        # With ZeRO this rank owns [lo, hi) of the flat buffer; without, all of it.
+        # With ZeRO this rank owns [lo, hi) of the flat buffers; without, all of them.
         self.lo, self.hi, self.padded = zero_flat_range(offset, dp=self.dp, dp_rank=self.dp_rank, zero=zero)
-        self.master = self._flat_params()[self.lo:self.hi].clone()
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        dtype = self.segments[0].param.dtype if self.segments else torch.float32
+        device = self.segments[0].param.device if self.segments else None
+        self.state = state_bytes(PRECISION_OF_DTYPE[dtype])
+        assert torch.finfo(dtype).bits == 8 * self.state.weights and self.state.grads == 4, (dtype, self.state)
+        self.params = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.main_grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        self._grads: dict[int, torch.Tensor] = {}
+        for s in self.segments:
+            view = self.params[s.offset:s.offset + s.numel].view_as(s.param)
+            view.copy_(s.param.detach())
+            s.param.data = view  # the model's tensor is now a view into the flat buffer
+            self._grads[id(s.param)] = self.main_grad[s.offset:s.offset + s.numel].view_as(s.param)
+            s.param.register_post_accumulate_grad_hook(self._accumulate)
+        own = self.params[self.lo:self.hi]
+        # fp32 parameters are the master (state.master == 0): the update runs on them in place.
+        self.master = own.float().clone() if self.state.master else own
+        self.exp_avg = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.grad: torch.Tensor | None = None
         self.steps = 0
         self._runs = self._owned_runs()
 
-    def _flat_params(self) -> torch.Tensor:
-        device = self.segments[0].param.device if self.segments else None
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        for s in self.segments:
-            flat[s.offset:s.offset + s.numel].copy_(s.param.detach().flatten())
-        return flat
+    def _accumulate(self, param: nn.Parameter) -> None:
+        """Once autograd has accumulated a backward's gradient into `param.grad`: add it to the fp32 buffer."""
+        with torch.no_grad():
+            self._grads[id(param)].add_(param.grad)
+        param.grad = None
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor:
+        """The fp32 gradient accumulated for `param` (a writable view of the gradient buffer)."""
+        return self._grads[id(param)]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's training state on the device: `params`, `grads` and `optimizer`."""
+        optimizer = self.exp_avg.nbytes + self.exp_avg_sq.nbytes + (self.master.nbytes if self.state.master else 0)
+        return {"params": self.params.nbytes, "grads": self.main_grad.nbytes, "optimizer": optimizer}
 
     def _owned(self, s: _Segment) -> tuple[int, int] | None:
         """The part of segment `s` inside this rank's range, relative to `lo`."""
@@ -144,26 +191,18 @@ class DataParallelAdamW:
 
     @torch.no_grad()
     def reduce_grads(self) -> None:
-        """Sum partial grads over tp, then sum over dp into this rank's fp32 gradient (shard)."""
-        all_reduce_partial_grads(self.model, self.tp_group)
-        device = self.master.device
-        flat = torch.empty(self.padded, dtype=torch.float32, device=device)
-        flat[self.numel:].zero_()
-        for s in self.segments:
-            part = flat[s.offset:s.offset + s.numel]
-            if s.param.grad is None:
-                part.zero_()
-            else:
-                part.view_as(s.param.grad).copy_(s.param.grad)
+        """Sum partial grads over tp, then the gradient buffer over dp (this rank's shard of it with ZeRO)."""
+        for s in self.segments:  # a gradient autograd left on a parameter outside the hooks counts too
+            if s.param.grad is not None:
+                self._accumulate(s.param)
+        all_reduce_partial_grads(self.model, self.tp_group, grad_of=self.grad_of)
         if self.dp > 1 and self.zero:
-            self.grad = torch.empty(self.hi - self.lo, dtype=torch.float32, device=device)
-            _REDUCE_SCATTER(self.grad, flat, group=self.dp_group)
-        else:
-            if self.dp > 1:
-                dist.all_reduce(flat, group=self.dp_group)
-            self.grad = flat[self.lo:self.hi]
-        if self.zero >= 2:  # ZeRO-2: the reduced shard is all that is kept
-            self.zero_grad()
+            shard = torch.empty(self.hi - self.lo, dtype=torch.float32, device=self.main_grad.device)
+            _REDUCE_SCATTER(shard, self.main_grad, group=self.dp_group)
+            self.main_grad[self.lo:self.hi].copy_(shard)
+        elif self.dp > 1:
+            dist.all_reduce(self.main_grad, group=self.dp_group)
+        self.grad = self.main_grad[self.lo:self.hi]
 
     @torch.no_grad()
     def grad_sq_norm_share(self) -> torch.Tensor:
@@ -182,7 +221,7 @@ class DataParallelAdamW:
     @torch.no_grad()
     def step(self, *, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step on this rank's masters (gradient times `grad_scale`, e.g. a clip coefficient),
-        then write the new weights into the model (all-gathered from the dp ranks with ZeRO)."""
+        then the new weights into the parameters (all-gathered from the dp ranks with ZeRO)."""
         assert self.grad is not None, "call reduce_grads() first"
         self.steps += 1
         grad = self.grad.mul_(grad_scale) if grad_scale != 1.0 else self.grad  # ours, read only here
@@ -191,29 +230,32 @@ class DataParallelAdamW:
                    [self.exp_avg_sq[r] for r in runs], decays=[decay for _, _, decay in self._runs],
                    step=self.steps, lr=lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         self.grad = None
-        full = self.master
+        own = self.params[self.lo:self.hi]
+        if self.state.master:
+            own.copy_(self.master)
         if self.zero and self.dp > 1:
-            full = torch.empty(self.padded, dtype=torch.float32, device=self.master.device)
-            _ALL_GATHER(full, self.master, group=self.dp_group)
-        for s in self.segments:
-            s.param.copy_(full[s.offset:s.offset + s.numel].view_as(s.param))
+            _ALL_GATHER(self.params, own.clone(), group=self.dp_group)
 
     def zero_grad(self) -> None:
-        """Drop the model's gradients (the next backward starts from zero)."""
+        """Zero the gradient buffer and drop any gradient left on the model (the next backward starts from zero)."""
         for s in self.segments:
             s.param.grad = None
+        self.main_grad.zero_()
+        self.grad = None
 
     def state_views(self, *, writable: bool = False):
         """For checkpoints: per parameter, the part of its fp32 state this rank keeps, as
         `(param, start, stop, {"master": t, "exp_avg": t, "exp_avg_sq": t})`; `[start, stop)` indexes the
         flattened local parameter and each `t` is a 1-D view of that range of the state. The views are the
-        state itself, so `writable` (asked for when loading; `OffloadedAdamW` needs it) changes nothing here."""
+        state itself; an fp32 master is the parameters, so unless `writable` (loading) it comes as a copy:
+        a checkpoint file may not hold two tensors sharing memory."""
         for s in self.segments:
             part = self._owned(s)
             if part is not None:
                 a, b = part
                 start = a + self.lo - s.offset
-                yield s.param, start, start + b - a, {"master": self.master[a:b], "exp_avg": self.exp_avg[a:b],
+                master = self.master[a:b] if writable or self.state.master else self.master[a:b].clone()
+                yield s.param, start, start + b - a, {"master": master, "exp_avg": self.exp_avg[a:b],
                                                       "exp_avg_sq": self.exp_avg_sq[a:b]}
 
     def named_weights(self):
@@ -225,8 +267,3 @@ class DataParallelAdamW:
         """For checkpoints: set every parameter to `values[name]` (shaped like the local shard)."""
         for name, param in self.model.named_parameters():
             param.copy_(values[name])
-
-    @torch.no_grad()
-    def reload_from_model(self) -> None:
-        """Take the masters from the model's current weights again (after loading a checkpoint)."""
-        self.master.copy_(self._flat_params()[self.lo:self.hi])

@@ -150,6 +150,16 @@ class StreamedAdamW:
                 dst.add_(grad.detach().reshape(-1).to(dst.device, torch.float32))
         self._fresh[group] = False
 
+    def add_grad(self, group: str, index: int, grad: torch.Tensor) -> None:
+        """Accumulate one backward's gradient of parameter `index` of `group` (a hook calls it as soon as the
+        gradient is ready, so the device never holds the stage's gradients at once)."""
+        flat = self._grads[group]
+        if self._fresh[group]:
+            flat.zero_()
+            self._fresh[group] = False
+        start, end = self._offsets[group][index]
+        flat[start:end].add_(grad.detach().reshape(-1).to(flat.device, torch.float32))
+
     def flat_grads(self) -> dict[str, torch.Tensor]:
         """Every group's accumulated fp32 gradient buffer (zeros where no gradient arrived), by group, for
         in-place work before `step` such as summing over data-parallel replicas."""

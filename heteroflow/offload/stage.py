@@ -7,7 +7,7 @@
             with offload.activation_context():
                 loss = stage_forward(micro_batch)          # hooks fetch / release block parameters
             loss.backward()                                # block gradients leave as they are produced
-        offload.collect_grads()                            # gradients of device-resident params
+        offload.collect_grads()                            # any gradient the hooks did not take
         norms = offload.grad_norms(); ...all-reduce...; offload.scale_grads(coef)   # or clip_grad_norm_
         offload.step(lr)                                   # streamed AdamW; parameters updated in place / in their tier
     offload.close()                                        # also on failure: use it as a context manager
@@ -23,6 +23,7 @@ group in the order given. Use the same order for a reference optimizer to compar
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -61,6 +62,7 @@ class StageOffload:
         self.param_store = self.opt_store = None
         self.params: OffloadedParams | None = None
         self._charged = 0
+        self._grad_hooks: list = []
         try:
             if policy.uses_ssd:
                 assert policy.swap_root is not None
@@ -73,12 +75,15 @@ class StageOffload:
                                          max_in_flight=policy.max_in_flight)
             resident_bytes = sum(p.numel() * p.element_size() for ps in self._resident.values() for p in ps)
             self.budget.charge(resident_bytes, "params")
-            self.budget.charge(resident_bytes, "grads")  # autograd's .grad of resident params, at most once
             self._charged = resident_bytes
             self.optimizer = StreamedAdamW(groups, store=self.opt_store, tier=policy.optimizer, betas=betas, eps=eps,
                                            weight_decay=weight_decay, chunk_numel=policy.chunk_numel,
                                            param_store=self.param_store, impl=adam_impl, decays=decays,
                                            owned=owned)
+            # A resident parameter's gradient leaves for the optimizer tier (fp32) as soon as autograd has it:
+            # the device holds one parameter's `.grad` at a time, never the stage's.
+            self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, group, j))
+                                for group, ps in self._resident.items() for j, p in enumerate(ps)]
             if policy.params != "device":
                 self.params = OffloadedParams(blocks, store=self.param_store, tier=policy.params,
                                               names=self.block_names,
@@ -112,12 +117,23 @@ class StageOffload:
         """Wrap each micro-batch's forward: saved activations go to the policy's activation tier."""
         return activation_context(self.policy.activations, self.device)
 
+    def _grad_ready(self, group: str, index: int, param: nn.Parameter) -> None:
+        """Autograd accumulated a backward's gradient of a resident parameter: add it to the optimizer tier."""
+        nbytes = param.grad.numel() * param.grad.element_size()
+        self.budget.charge(nbytes, "grads")
+        try:
+            with torch.no_grad():
+                self.optimizer.add_grad(group, index, param.grad)
+            param.grad = None
+        finally:
+            self.budget.release(nbytes, "grads")
+
     def collect_grads(self) -> None:
-        """Hand the accumulated `.grad` of device-resident parameters to the optimizer and drop them."""
+        """Hand any `.grad` left on a device-resident parameter (produced outside the hooks) to the optimizer."""
         for group, ps in self._resident.items():
-            self.optimizer.add_grads(group, [p.grad for p in ps])
-            for p in ps:
-                p.grad = None
+            for j, p in enumerate(ps):
+                if p.grad is not None:
+                    self._grad_ready(group, j, p)
 
     def grad_norms(self) -> list[torch.Tensor]:
         """Per-parameter gradient norms (call after `collect_grads`)."""
@@ -139,6 +155,9 @@ class StageOffload:
     def close(self) -> None:
         """Remove hooks, free device memory, delete swap files and the swap directory."""
         try:
+            for handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks = []
             if self.params is not None:
                 self.params.close()
             if getattr(self, "optimizer", None) is not None:
@@ -148,7 +167,6 @@ class StageOffload:
                     store.close()
             if self._charged:
                 self.budget.release(self._charged, "params")
-                self.budget.release(self._charged, "grads")
                 self._charged = 0
         finally:
             if self.swap is not None:

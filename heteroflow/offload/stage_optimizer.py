@@ -130,11 +130,7 @@ class OffloadedAdamW:
                                                  dp_rank=self.dp_rank, split_over_dp=bool(zero),
                                                  tied_head_copy=name in head_copy):
                 self._counted.append((group, index, *part))
-        # Partial-over-tp gradients of offloaded blocks leave the device during the backward, so they are
-        # summed over tp in their host buffers (resident ones on the model, by all_reduce_partial_grads).
-        self._partial_offloaded = [] if policy.params == "device" or self.tp_group is None else [
-            (f"block{i}", j) for i, block in enumerate(blocks) for j, p in enumerate(block.parameters())
-            if shard_of(p).partial_grad]
+        self._where = {id(p): (group, index) for p, group, index, _ in self._places}
         self.offload = StageOffload(policy, device=device, blocks=blocks, other_params={"rest": rest} if rest else {},
                                     betas=betas, eps=eps, weight_decay=weight_decay, checkpoint_dirs=checkpoint_dirs,
                                     decays=lambda p: p.dim() >= 2, swap_label=swap_label,
@@ -180,10 +176,8 @@ class OffloadedAdamW:
     @torch.no_grad()
     def reduce_grads(self) -> None:
         """Sum partial grads over tp, take the device gradients into the optimizer tier, sum over dp."""
-        all_reduce_partial_grads(self.model, self.tp_group)
         self.offload.collect_grads()
-        if self._partial_offloaded:
-            self._sum_offloaded_partial_grads()
+        all_reduce_partial_grads(self.model, self.tp_group, grad_of=self.grad_of)
         if self.dp > 1 and self.zero:
             self._reduce_scatter_grads()
         elif self.dp > 1:
@@ -244,16 +238,6 @@ class OffloadedAdamW:
         for p, _, _, start in self._places:
             p.data.copy_(full[start:start + p.numel()].view_as(p))
 
-    def _sum_offloaded_partial_grads(self) -> None:
-        """Sum over tp the partial gradients of offloaded blocks, accumulated over the step's micro-batches."""
-        optimizer = self.offload.optimizer
-        optimizer.flat_grads()  # a block without gradients this step reads as zeros
-        views = [optimizer.grad_views(group)[j] for group, j in self._partial_offloaded]
-        flat = torch.cat([v.reshape(-1) for v in views])
-        self._all_reduce(flat, self.tp_group)
-        for view, part in zip(views, flat.split([v.numel() for v in views])):
-            view.copy_(part.view_as(view))
-
     def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """Sum `flat` over `group`; host buffers go through the device when the backend needs it."""
         if flat.device.type != "cpu" or dist.get_backend(group) == "gloo":
@@ -290,6 +274,20 @@ class OffloadedAdamW:
         self.offload.step(lr)
         if self.zero and self.dp > 1:
             self._gather_updated()
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 gradient accumulated for `param` in the optimizer tier (a writable view)."""
+        self.offload.collect_grads()
+        group, index = self._where[id(param)]
+        self.offload.optimizer.flat_grads()  # zeros for a group no gradient has reached yet
+        return self.offload.optimizer.grad_views(group)[index]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The most device bytes the offload bookkeeping (`DeviceBudget`) has held of parameters, gradients and
+        optimizer state: resident parameters and fetched blocks, gradients on their way out, device-tier state."""
+        peaks = self.offload.budget.peak_by_kind
+        return {"params": peaks.get("params", 0), "grads": peaks.get("grads", 0),
+                "optimizer": sum(v for k, v in peaks.items() if k not in ("params", "grads"))}
 
     def zero_grad(self) -> None:
         """Drop any gradient left on the model and what the offload path took of them (all consumed after

@@ -42,6 +42,13 @@ class StageOptimizer(Protocol):
         """One AdamW step (gradients times `grad_scale`: the clip coefficient over the loss scale); the model
         gets the new values."""
 
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The writable fp32 tensor holding the gradient accumulated for `param` this step (tied-embedding sync)."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of training state this rank holds on the device: `params`, `grads`, `optimizer` (each the
+        most held at once since the optimizer was built)."""
+
     def zero_grad(self) -> None:
         """Drop the model's gradients and any accumulated from them: the next backward starts from zero (also
         after a skipped step, when `step` was not called)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 import torch
 
@@ -28,8 +29,10 @@ def parse_grad_faults(text: str) -> dict[tuple[int, int], float]:
 
 
 @torch.no_grad()
-def inject_grad_fault(model: torch.nn.Module, rank: int, step: int) -> None:
-    """Poison the first gradient this rank holds, when the environment names this rank and step."""
+def inject_grad_fault(model: torch.nn.Module, rank: int, step: int,
+                      grad_of: Callable[[torch.nn.Parameter], torch.Tensor]) -> None:
+    """Poison the first gradient this rank holds (`grad_of(param)`: where the optimizer accumulated it), when the
+    environment names this rank and step."""
     text = os.environ.get(ENV_INJECT_GRAD)
     if not text:
         return
@@ -37,8 +40,9 @@ def inject_grad_fault(model: torch.nn.Module, rank: int, step: int) -> None:
     if value is None:
         return
     for name, param in model.named_parameters():
-        if param.grad is not None and param.grad.numel():
-            param.grad.view(-1)[0] = value
+        grad = grad_of(param) if param.numel() else None
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = value
             print(f"heteroflow: injected {value} into {name}'s gradient on rank {rank} at step {step}",
                   file=sys.stderr, flush=True)
             return

@@ -87,6 +87,8 @@ class StepRecord:
     """Whether the step was skipped for an inf or nan gradient (runs with loss scaling only)."""
     stages: list[dict] | None = None
     """Per stage, measured and predicted seconds of this step by part (`runtime.stage_times`)."""
+    memory: dict | None = None
+    """Every rank's measured bytes next to the planner's figure (`heteroflow.runtime.memory.memory_record`)."""
 
     def to_json(self) -> str:
         """One JSONL line (strict JSON: a non-finite figure is written as null)."""

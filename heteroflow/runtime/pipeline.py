@@ -131,7 +131,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                 # The previous stage sent in its precision; this stage computes (and sends back) in its own.
                 x = received.to(rt.activation_dtype).requires_grad_()
             inputs[m] = x
-            with part(FORWARD_PART), autocast, activation_context(rt):
+            # The rank's meter counts what the tier leaves on the device (the step record's `memory`).
+            with part(FORWARD_PART), autocast, rt.meter.context(activation_context(rt)):
                 if rt.is_last:
                     out = rt.model(x, labels=micro_batches[m].labels.to(rt.device.torch_device))
                     loss_sum += out.detach().float().cpu()

@@ -17,6 +17,7 @@ from heteroflow.models.llama import StageModel, build_stage_model
 from heteroflow.models.parallelize import parallelize_stage
 from heteroflow.offload.stage_optimizer import OffloadedAdamW, offloads_state
 from heteroflow.optim import StageOptimizer
+from heteroflow.runtime.memory import SavedActivationMeter
 from heteroflow.runtime.offload_setup import offloaded_optimizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,6 +42,8 @@ class StageRuntime:
     """Boundary to the next stage (None on the last stage)."""
     tied_group: dist.ProcessGroup | None
     """Ranks of the first and last stage, when the embedding is tied across them."""
+    meter: SavedActivationMeter
+    """Counts the activations this rank's forward leaves on the device (the step record's `memory`)."""
 
     @property
     def is_first(self) -> bool:
@@ -100,6 +103,9 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     else:
         init_weights(model, seed=job.train.seed)
     t = job.train
+    # The parameters live in the stage's compute dtype (`heteroflow.layout.state_bytes`): the optimizer's fp32
+    # master copy starts from these rounded values, as Megatron's does.
+    model.to(_DTYPES[stage.layout.compute_precision(t.precision)])
     if offloads_state(stage):
         optimizer: StageOptimizer = offloaded_optimizer(model, job=job, stage=stage, stage_index=k, groups=groups,
                                                         device=device)
@@ -129,5 +135,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         if isinstance(optimizer, OffloadedAdamW):
             optimizer.close()
         raise
+    meter = SavedActivationMeter(device.torch_device)
+    meter.exclude_parameters(model)
     return StageRuntime(job=job, plan=plan, info=info, stage=stage, device=device, groups=groups, model=model,
-                        optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group)
+                        optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group, meter=meter)

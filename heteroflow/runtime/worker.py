@@ -14,6 +14,7 @@ from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
 from heteroflow.optim.loss_scale import LossScaler
 from heteroflow.runtime.grad_faults import inject_grad_fault
+from heteroflow.runtime.memory import gather_measured, measured_memory, memory_record, reset_measurement
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
@@ -151,6 +152,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     timer = PartTimer(device.new_event)
     tp_group = groups.tp if rt.stage.layout.tp > 1 else None
     device_types = [stage.device_type for stage in plan.stages]
+    stage_of_rank = [k for k, stage in enumerate(plan.stages) for _ in range(stage.num_devices)]  # RankMap's order
     where = f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}"
     # Every rank's step and heartbeat in the store: a rank waiting past the limit names those it waits for.
     watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank, where=where,
@@ -158,6 +160,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     try:
         for step in range(first_step, args.steps):
             watchdog.begin(step)
+            reset_measurement(rt.meter, device)
             started = time.perf_counter()
             indices = order.global_batch(step)
             micro_batches = []
@@ -171,14 +174,15 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             with timing_collectives(tp_group, timer):
                 loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale,
                                              timer=timer)
-            inject_grad_fault(rt.model, rank, step)
+            inject_grad_fault(rt.model, rank, step, rt.optimizer.grad_of)
             with timer.part("dp"):
                 if rt.tied_group is not None:
                     from heteroflow.models.data_parallel import sync_tied_grads
                     # cp ranks hold partial sums too: the total lands on one rank of the stage's cp x dp replicas
-                    sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp * cp + info.cp)
+                    sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp * cp + info.cp,
+                                    grad_of=rt.optimizer.grad_of)
                 if cp > 1:  # replicated weights saw only this rank's tokens: sum over cp, then over dp as always
-                    all_reduce_cp_grads(rt.model, groups.cp)
+                    all_reduce_cp_grads(rt.model, groups.cp, grad_of=rt.optimizer.grad_of)
                 rt.optimizer.reduce_grads()
             with timer.part("optimizer"):  # the norm share is the clipping's, priced with the optimizer step
                 norm_share = rt.optimizer.grad_sq_norm_share().float().cpu()
@@ -212,6 +216,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             measured = gather_stage_figures(figures, rank_map=groups.rank_map, group=groups.world, rank=rank)
             step_time = time.perf_counter() - started
             losses.append(loss)
+            memory_measured = gather_measured(measured_memory(rt.optimizer, rt.meter, device), groups.world)
             if rank == 0:
                 assert measured is not None
                 record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
@@ -219,7 +224,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                                     predicted_step_time_s=args.predicted_step_time_s,
                                     loss_scale=scale if scaler is not None else None,
                                     skipped=skipped if scaler is not None else None,
-                                    stages=stage_records(measured, args.predicted_stages, device_types))
+                                    stages=stage_records(measured, args.predicted_stages, device_types),
+                                    memory=memory_record(job, plan, memory_measured, stage_of_rank))
                 writer.write(record)
                 records.append({"step": step, "stages": record.stages})
                 if progress is not None:

@@ -7,7 +7,7 @@ from time import perf_counter
 from heteroflow.config.job import JobConfig
 from heteroflow.stagemap.baselines import megatron_uniform
 from heteroflow.stagemap.calibration import Calibration
-from heteroflow.stagemap.estimate import (UNCALIBRATED, evaluate_plan, job_hardware, resolve_calibration,
+from heteroflow.stagemap.estimate import (UNCALIBRATED, PlanEstimate, evaluate_plan, job_hardware, resolve_calibration,
                                           resolve_profile)
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.explain import explain_infeasible
@@ -72,3 +72,19 @@ def precision_notes(job: JobConfig, hardware: Hardware) -> list[str]:
         else:
             notes.append(f"{device_type} cannot train in any precision: its nodes are left out")
     return notes
+
+
+def search_top_plans(job: JobConfig, top_k: int, *, profile: Profile | None = None,
+                     options: SearchOptions | None = None, calibration: Calibration | None = None) -> list[PlanEstimate]:
+    """The `top_k` plans with the highest predicted throughput (fewer when fewer exist), fastest first: the
+    best plan of each of the best templates and micro-batch sizes, and the `megatron_uniform` plan when it
+    is among them. `calibration` (default: the job's `cluster.calibration`) scales the device rates."""
+    options = options or SearchOptions()
+    profile = resolve_profile(job, profile)
+    calibration = resolve_calibration(job, calibration)
+    hardware = job_hardware(job, profile, calibration=calibration)
+    found = run_search(job, hardware, options, top_k=top_k).top
+    uniform = megatron_uniform(job, hardware, options) if options.include_megatron else "not asked"
+    if not isinstance(uniform, str) and all(plan.to_dict() != uniform[1].to_dict() for _, plan in found):
+        found = sorted([*found, uniform], key=lambda v: v[0])[:top_k]
+    return [evaluate_plan(job, plan, profile=profile, calibration=calibration or UNCALIBRATED) for _, plan in found]

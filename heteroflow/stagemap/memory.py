@@ -2,25 +2,29 @@
 
 Each stage is priced at its own precision (`ParallelLayout.compute_precision`): `dtype_bytes` is the size
 of its weights and activations, `state_bytes_per_param` its training state per parameter. Training state
-(mixed precision Adam, ZeRO paper accounting): bf16/fp16 weights 2 bytes and gradients 2 bytes per
-parameter, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps 4 + 4 bytes and
-8 bytes of moments. Everything is divided by tp (kv heads replicated when tp exceeds them);
-ZeRO over the stage's dp divides the optimizer state (stage >= 1), gradients (>= 2) and weights (3, plus a
-prefetch buffer of two gathered layers). Offloading the optimizer moves its state, still divided by dp under
-ZeRO 1/2 (ZeRO-Offload), to the offload tier (`offloaded_optimizer_bytes`);
-offloading parameters leaves a window of two layers of weights and of gradients on the device (each tp
-rank's shards: the block in use and the one prefetched), plus the weights and gradients of the embedding,
-final norm and head, which the runtime keeps on the device (`offload.stage_optimizer`).
+is what the runtime allocates, `heteroflow.layout.state_bytes` (Megatron's layout): bf16/fp16 weights 2 bytes,
+an fp32 gradient buffer 4 bytes, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps
+4 + 4 bytes and 8 bytes of moments (the weights are the master). Everything is divided by tp (kv heads
+replicated when tp exceeds them); ZeRO over the stage's dp divides the optimizer state (stage >= 1,
+`optimizer_shards`), and with stage 3 gradients and weights (plus a prefetch buffer of two gathered layers);
+ZeRO 2 keeps the whole gradient buffer, as ZeRO 1 (it accumulates the micro-batches before the dp
+reduce-scatter). Offloading the optimizer moves its state, still divided by dp under ZeRO 1/2
+(ZeRO-Offload), to the offload tier (`offloaded_optimizer_bytes`) and removes the gradient buffer from the device (each gradient leaves for the host as autograd produces it); offloading
+parameters leaves a window of two layers of weights (each tp rank's shards: one in use, one prefetched) and
+one layer's `.grad`, plus the embedding, final norm and head, which the runtime keeps on the device.
 
-Activations stored per block and micro-batch, on one device holding `t` tokens (with flash attention,
-no dropout; h_e = h / tp with sequence parallelism, else h; q and kv the local query and key/value widths):
-- no recompute: t * (4 h_e + 2 q + 2 kv + 3 f/tp) elements (norm inputs and outputs, Q, K, V, attention
-  output, SwiGLU gate, up and product) + 4 bytes per local head and token (softmax statistics);
-- selective (attention core and activation function recomputed): t * (4 h_e + q + 2 kv + 2 f/tp);
-- full (each block recomputed from its input): t * h_e, plus one block's full activations while it runs.
+Activations stored per block and micro-batch, on one device: what the runtime's block saves for backward
+(`activation_bytes`, checked against the runtime's meter by `benchmarks/bench_memory.py`): per token the two
+RMSNorms' fp32 inputs, normalized values and outputs (under sp each column-parallel layer keeps its own
+gathered copy of its input), Q, K, V, the attention output, K and V repeated to the
+query heads, the fp32 log-sum-exp per head, SwiGLU's gate, up, activated gate and product, plus the rope
+tables; selective recompute (attention core) drops the repeated K, V and the log-sum-exp, which come back
+while the core is recomputed; full keeps the block input, plus one block's full activations while it runs.
 Micro-batches in flight per stage: 1F1B keeps min(p - k, m) for stage k (p stages, m micro-batches),
-GPipe all m. Activations offloaded to the CPU leave a window of two blocks of one micro-batch.
-The last stage also holds the logits of one micro-batch (bf16 logits + fp32 gradient, 6 bytes per logit).
+GPipe all m. Activations offloaded to the CPU leave a window of one block of one micro-batch (the tier copies each
+saved tensor out as it is saved and back when backward needs it, without prefetching).
+The last stage also holds its final norm's activations and the logits of one micro-batch (fp32 log-probabilities
+kept for backward and the logits' gradient, 6 bytes per logit).
 Reserve: RESERVE_GIB for the runtime context and communicator buffers plus RESERVE_FRACTION of the
 capacity for allocator fragmentation.
 """
@@ -32,9 +36,10 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from heteroflow.config.model import ModelSpec
-from heteroflow.layout import ParallelLayout
+from heteroflow.layout import ParallelLayout, in_flight
 from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
                                       layer_params_per_rank)
+from heteroflow.layout.state import optimizer_shards, state_bytes
 
 GIB = float(1 << 30)
 RESERVE_GIB = 1.0
@@ -52,11 +57,10 @@ def dtype_bytes(precision: str) -> int:
 
 
 def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter of a stage computing in `precision`: weights and
-    gradients in that precision; the optimizer keeps fp32 Adam moments, plus an fp32 master copy of the
-    weights when they are 16-bit."""
-    size = dtype_bytes(precision)
-    return size, size, 8 if size == 4 else 12
+    """(weight, gradient, optimizer) bytes per parameter of a stage computing in `precision`: the runtime's
+    layout, `heteroflow.layout.state_bytes` (16-bit weights, fp32 gradient buffer, fp32 master and moments)."""
+    state = state_bytes(precision)
+    return state.weights, state.grads, state.optimizer
 
 
 class Affine(NamedTuple):
@@ -98,18 +102,48 @@ class MemoryModel:
         return Affine(*map(sum, zip(*parts)))
 
 
+def norm_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, consumers: int, dtype_bytes: int) -> float:
+    """Saved activations of one normalization and its output over `tokens` tokens of one micro-batch: its input
+    in fp32 (the RMSNorm computes in fp32; an fp32 input is kept as is), the normalized values and the fp32
+    inverse root per token, on the tokens this device holds (1/tp of them under sp), and the output kept by
+    the layers that read it: once, or under sp once per column-parallel layer (`consumers`), each of which
+    all-gathers the sequence and keeps its own gathered copy."""
+    h = model.hidden_size
+    local = tokens / tp if sp else tokens
+    return local * (4 * h + dtype_bytes * h + 4) + tokens * dtype_bytes * h * (consumers if sp else 1)
+
+
+def attention_core_bytes(model: ModelSpec, *, tokens: float, tp: int, dtype_bytes: int) -> float:
+    """What the attention core keeps for backward and selective recompute drops: key and value repeated to the
+    query heads (grouped-query attention), and the fp32 log-sum-exp per local head and token."""
+    d = model.kv_channels
+    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
+    repeated = 2 * q if q > kv else 0
+    return tokens * (dtype_bytes * repeated + 4 * (q // d))
+
+
 def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, recompute: str, dtype_bytes: int) -> float:
-    """Stored activations of one block for one micro-batch on one device."""
+    """Stored activations of one block for one micro-batch on one device, as the runtime's block saves them.
+
+    Two norms (`norm_bytes`, over h / tp values per token under sp); Q after rope, K, V and the attention output;
+    the attention core's own (`attention_core_bytes`: repeated K and V, log-sum-exp); the rope tables; SwiGLU's
+    gate, up, activated gate and product (a plain MLP: its input to the activation and the activation's output).
+    Selective recompute drops the core's; full keeps only the block input."""
     h, d = model.hidden_size, model.kv_channels
     h_e = h / tp if sp else h
-    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
-    f_loc = model.ffn_hidden_size / tp
-    up = 2 if model.activation == "swiglu" else 1
     if recompute == "full":
         return tokens * h_e * dtype_bytes
+    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
+    f_loc = model.ffn_hidden_size / tp
+    swiglu = model.activation == "swiglu"
+    mlp = (4 if swiglu else 2) * f_loc
+    rope = 2 * model.seq_length * d * dtype_bytes if model.position_embedding == "rope" else 0.0
+    norms = (norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=3, dtype_bytes=dtype_bytes)  # wq, wk, wv
+             + norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=2 if swiglu else 1, dtype_bytes=dtype_bytes))
+    outside_core = norms + tokens * dtype_bytes * (2 * q + 2 * kv + mlp) + rope
     if recompute == "selective":
-        return tokens * dtype_bytes * (4 * h_e + q + 2 * kv + up * f_loc)
-    return tokens * dtype_bytes * (4 * h_e + 2 * q + 2 * kv + (up + 1) * f_loc) + tokens * 4 * (q // d)
+        return outside_core
+    return outside_core + attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +174,12 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
     stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
               for rc in ("none", "selective", "full")}
     working = {"none": 0.0, "full": stored["none"],
-               "selective": tokens * act * (model.num_attention_heads // tp * model.kv_channels
-                                           + model.ffn_hidden_size / tp)}
+               "selective": attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=act)}
+    # The last stage's head: the final norm's saved activations and the logits of one micro-batch.
+    head = (norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=1, dtype_bytes=act)
+            + tokens * model.vocab_size / tp * LOGIT_BYTES)
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
-                       logits=tokens * model.vocab_size / tp * LOGIT_BYTES,
+                       logits=head,
                        reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob)
 
 
@@ -164,10 +200,10 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
         k = per_param / div
         return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
 
-    if off.params != "device":
+    gradients = _gradients(parts, layout)
+    if off.params != "device":  # the window of fetched blocks; embedding, final norm and head stay resident
         e1, e2, e3 = _offloaded_ends(parts, zero)
         weights = Affine(w0 * parts.wb, 0.0, 0.0, e1 * parts.wb, e2 * parts.wb, e3 * parts.wb)
-        gradients = Affine(w0 * parts.gb, 0.0, 0.0, e1 * parts.gb, e2 * parts.gb, e3 * parts.gb)
     else:
         if zero >= 3:
             k = parts.wb / dp
@@ -175,11 +211,10 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
                              tied * k)
         else:
             weights = state(parts.wb, 1)
-        gradients = state(parts.gb, dp if zero >= 2 else 1)
     optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
-        activations = Affine(2 * stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
+        activations = Affine(stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
     else:
         activations = Affine(working, 0.0, stored, 0.0, 0.0, 0.0)
     return MemoryModel(weights=weights, gradients=gradients, optimizer=optimizer, activations=activations,
@@ -193,7 +228,7 @@ _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 def optimizer_state(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """Optimizer state bytes of one device of a stage, wherever they live: 1/dp of the stage's under ZeRO >= 1
     (also in the offload tier: ZeRO-Offload shards it over dp like the device does)."""
-    k = parts.ob / (layout.dp if layout.zero >= 1 else 1)
+    k = parts.ob / optimizer_shards(layout.zero, layout.dp)
     return Affine(0.0, parts.p_layer * k, 0.0, parts.p_embed * k, parts.p_head * k, parts.tied * k)
 
 
@@ -211,6 +246,21 @@ def _offloaded_ends(parts: MemoryParts, zero: int) -> tuple[float, float, float]
     return parts.p_embed, parts.p_head, parts.tied
 
 
+def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
+    """Gradient bytes on the device. With the optimizer on the device, its fp32 buffer (`parts.gb` per
+    parameter; divided over dp only by ZeRO 3). With the optimizer offloaded, each gradient leaves for the host
+    as soon as autograd has it, so nothing stays. Offloaded parameters add the `.grad` (parameter dtype) of the
+    block whose backward runs (handed to the optimizer tier once the block's last gradient is in)."""
+    p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
+    out = _ZERO
+    if layout.offload.optimizer == "device":
+        k = parts.gb / (layout.dp if layout.zero >= 3 else 1)
+        out = Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
+    if layout.offload.params != "device":
+        out = out._replace(const=out.const + p_layer * parts.wb)
+    return out
+
+
 def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
     a test checks both agree)."""
@@ -218,26 +268,27 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
     const = parts.reserve
-    per_layer = first = last = both = 0.0
+    grads = _gradients(parts, layout)
+    const += grads.const
+    per_layer, first, last, both = grads.per_layer, grads.first, grads.last, grads.both
     if off.params != "device":
         e1, e2, e3 = _offloaded_ends(parts, zero)
-        const += w0 * (parts.wb + parts.gb)
-        first += e1 * (parts.wb + parts.gb)
-        last += e2 * (parts.wb + parts.gb)
-        both += e3 * (parts.wb + parts.gb)
+        const += w0 * parts.wb
+        first += e1 * parts.wb
+        last += e2 * parts.wb
+        both += e3 * parts.wb
     else:
         k = parts.wb / dp if zero >= 3 else parts.wb
         if zero >= 3:
             const += w0 * parts.wb
             first += w1 * parts.wb
             last += w2 * parts.wb
-        k += parts.gb / (dp if zero >= 2 else 1)
         per_layer += p_layer * k
         first += p_embed * k
         last += p_head * k
         both += tied * k
     if off.optimizer == "device":
-        k = parts.ob / (dp if zero >= 1 else 1)
+        k = parts.ob / optimizer_shards(zero, dp)
         per_layer += p_layer * k
         first += p_embed * k
         last += p_head * k
@@ -245,7 +296,7 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     in_flight = 0.0
     if off.activations != "device":
-        const += 2 * stored + working
+        const += stored + working
     else:
         const += working
         in_flight = stored
@@ -258,3 +309,18 @@ def _params(model: ModelSpec, tp: int) -> tuple[float, float, float, float]:
     tied = -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0
     return (layer_params_per_rank(model, tp), embedding_params_per_rank(model, tp),
             head_params_per_rank(model, tp, single_stage=False), tied)
+
+
+def stage_memory_bytes(model: ModelSpec, layout: ParallelLayout, *, precision: str, micro_batch_size: int,
+                       schedule: str, num_stages: int, stage: int, num_micro_batches: int,
+                       layers: int) -> dict[str, float]:
+    """One device's bytes of plan stage `stage` by component, the fixed reserve left out: `params`, `grads`,
+    `optimizer`, `activations` (micro-batches in flight included) and `transient` (the last stage's logits).
+    The runtime records these next to what it measures."""
+    tokens = micro_batch_size / layout.dp * model.seq_length / layout.cp
+    memory = memory_model(model, layout, tokens=tokens, precision=precision, capacity_gib=0.0)
+    f = in_flight(schedule, num_stages, stage, num_micro_batches)
+    gib = memory.components(layers, f, stage == 0, stage == num_stages - 1)
+    names = {"weights": "params", "gradients": "grads", "optimizer": "optimizer", "activations": "activations",
+             "transient": "transient"}
+    return {ours: gib[theirs] * GIB for theirs, ours in names.items()}

@@ -227,7 +227,7 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
         p_layer = layer_params_per_rank(job.model, lay.tp)
         off = lay.offload
         weights = 0.0 if off.params != "device" else wb / (lay.dp if lay.zero >= 3 else 1)
-        grads = 0.0 if off.params != "device" else gb / (lay.dp if lay.zero >= 2 else 1)
+        grads = 0.0 if off.optimizer != "device" else gb / (lay.dp if lay.zero >= 3 else 1)
         optim = 0.0 if off.optimizer != "device" else ob / (lay.dp if lay.zero >= 1 else 1)
         state = min(state, p_layer * (weights + grads + optim))
         if off.activations != "device":

@@ -9,6 +9,10 @@ prunes with the incumbent. The search stops when the least bound left reaches ev
 plan, and the best plan of each device type (reported as the `best_single_type` baseline, so it keeps its
 own incumbent). GPipe is not searched when 1F1B is allowed: on the same stages its closed form is never
 smaller and it keeps more micro-batches in flight.
+
+With `top_k > 1` the search also keeps the `top_k` best plans, each the best plan of its own template and
+micro-batch size (so they differ in stages or batch, not only in one layer's place), and prunes with the
+`top_k`-th of them (`heteroflow tune` runs these).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class SearchResult:
 
     best: tuple[float, PlanSpec] | None = None
     per_type: dict[str, tuple[float, PlanSpec]] = field(default_factory=dict)
+    top: list[tuple[float, PlanSpec]] = field(default_factory=list)
+    """The `top_k` best plans found, fastest first (the best one included)."""
     templates: int = 0
     solved: int = 0
 
@@ -46,8 +52,9 @@ class SearchResult:
 class Planner:
     """Holds the caches of one search (layout tables, option tables, bounds)."""
 
-    def __init__(self, job: JobConfig, hardware: Hardware, options: SearchOptions):
-        self.job, self.hardware, self.options = job, hardware, options
+    def __init__(self, job: JobConfig, hardware: Hardware, options: SearchOptions, top_k: int = 1):
+        assert top_k >= 1
+        self.job, self.hardware, self.options, self.top_k = job, hardware, options, top_k
         self.classes = device_classes(job, hardware, options.device_types)
         self._tables: dict[tuple, LayoutTable] = {}
         self._stats: dict[tuple, QuickStats] = {}
@@ -258,7 +265,7 @@ class Planner:
             b, refined, n, mbs, schedule, tpl = heapq.heappop(heap)
             types = {self.classes[c].device_type for c, _ in tpl}
             single = next(iter(types)) if len(types) == 1 else None
-            incumbent = self._incumbent(result, single)
+            incumbent = max(self._incumbent(result, single), self._kth(result))
             if b >= incumbent:
                 if self._done(result, b):
                     break  # every later template's bound is at least b: none can improve any incumbent
@@ -275,6 +282,8 @@ class Planner:
                 continue
             if result.best is None or found[0] < result.best[0]:
                 result.best = found
+            if self.top_k > 1:
+                result.top = sorted([*result.top, found], key=lambda v: v[0])[: self.top_k]
             if single is not None and (single not in result.per_type or found[0] < result.per_type[single][0]):
                 result.per_type[single] = found
         return result
@@ -284,7 +293,13 @@ class Planner:
         types = {c.device_type for c in self.classes}
         if result.best is None or any(t not in result.per_type for t in types):
             return False
-        return bound >= max(result.best[0], *(v[0] for v in result.per_type.values()))
+        return bound >= max(result.best[0], self._kth(result), *(v[0] for v in result.per_type.values()))
+
+    def _kth(self, result: SearchResult) -> float:
+        """The value a template must beat to enter the `top_k` best plans (-inf when only the best is kept)."""
+        if self.top_k == 1:
+            return float("-inf")
+        return result.top[-1][0] if len(result.top) == self.top_k else float("inf")
 
     @staticmethod
     def _incumbent(result: SearchResult, single: str | None) -> float:
@@ -294,6 +309,9 @@ class Planner:
         return result.per_type[single][0] if single in result.per_type else float("inf")
 
 
-def run_search(job: JobConfig, hardware: Hardware, options: SearchOptions) -> SearchResult:
-    """Search the template space (without baselines)."""
-    return Planner(job, hardware, options).run()
+def run_search(job: JobConfig, hardware: Hardware, options: SearchOptions, top_k: int = 1) -> SearchResult:
+    """Search the template space (without baselines), keeping the `top_k` best plans."""
+    result = Planner(job, hardware, options, top_k).run()
+    if top_k == 1 and result.best is not None:
+        result.top = [result.best]
+    return result

@@ -99,6 +99,7 @@ SHAPES = {"col": (8, 6), "row": (6, 8), "vocab": (7, 4), "norm": (6,)}
 SPLIT_DIM = {"col": 0, "row": 1, "vocab": 0, "norm": None}
 _gen = torch.Generator().manual_seed(1)
 FULL = {kind: {name: torch.randn(shape, generator=_gen) for name, shape in SHAPES.items()} for kind in KINDS}
+FULL["master"] = FULL["param"]  # fp32 parameters are their own master copy (`heteroflow.layout.state_bytes`)
 
 
 def _param_shard(name: str, tp: int, tp_rank: int) -> ParamShard:
@@ -127,7 +128,7 @@ def toy_rank(tp: int, dp: int, zero: int, rank: int, *, filled: bool):
         opt.lo, opt.hi = dp_rank * opt.padded // dp, (dp_rank + 1) * opt.padded // dp
         opt.master = torch.zeros(opt.hi - opt.lo)
         opt.exp_avg, opt.exp_avg_sq = torch.zeros_like(opt.master), torch.zeros_like(opt.master)
-    for param, start, stop, views in opt.state_views():
+    for param, start, stop, views in opt.state_views(writable=True):
         for kind, view in views.items():
             full = FULL[kind][_name(model, param)]
             view.copy_(shard_of(param).take(full).flatten()[start:stop] if filled else torch.full_like(view, -7.0))

@@ -12,6 +12,7 @@ import torch
 
 from heteroflow.layout.schedule import BACKWARD, FORWARD, in_flight, max_in_flight, stage_actions
 from heteroflow.runtime import pipeline as runtime_pipeline
+from heteroflow.runtime.memory import SavedActivationMeter
 from heteroflow.stagemap.pipeline import simulate
 
 SHAPES = list(itertools.product(["1f1b", "gpipe"], [1, 2, 3, 5], [1, 2, 4, 7]))
@@ -124,7 +125,7 @@ def _runtime_order(schedule: str, num_stages: int, stage: int, num_micro_batches
         plan=types.SimpleNamespace(stages=[None] * num_stages, schedule=schedule),
         info=types.SimpleNamespace(stage=stage), is_first=False, is_last=False, prev=boundary, next=boundary,
         device=types.SimpleNamespace(torch_device=torch.device("cpu")), autocast_dtype=None, model=Tag(),
-        activation_dtype=torch.float32,
+        activation_dtype=torch.float32, meter=SavedActivationMeter(torch.device("cpu")),
         stage=types.SimpleNamespace(layout=types.SimpleNamespace(offload=types.SimpleNamespace(activations="device"))))
     batches = [runtime_pipeline.MicroBatch(tokens=torch.zeros(1, 2), labels=torch.zeros(1, 2))] * num_micro_batches
     runtime_pipeline.run_pipeline_step(rt, batches, global_tokens=1)

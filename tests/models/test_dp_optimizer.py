@@ -12,6 +12,7 @@ from dist_helpers import run_ranks
 from heteroflow.config import PRESETS
 from heteroflow.data import SampleOrder, micro_batch_indices
 from heteroflow.layout import ParallelLayout
+from heteroflow.layout.state import state_bytes
 from heteroflow.models import (DataParallelAdamW, build_stage_model, init_weights, parallelize_stage,
                                shard_of, sync_tied_grads)
 
@@ -155,6 +156,7 @@ def test_adamw_math_matches_torch_single_process():
         expected_sq = sum(q.grad.pow(2).sum() for q in ref.parameters())
         torch.testing.assert_close(opt.grad_sq_norm_share(), expected_sq)
         opt.step(lr=3e-3)
+        opt.zero_grad()  # the gradient buffer accumulates until zeroed, as over micro-batches
         torch_opt.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
@@ -167,3 +169,29 @@ def test_sample_order_feeds_the_same_samples_to_any_dp_split():
         seen = [i for m in range(8 // mbs) for d in range(dp)
                 for i in micro_batch_indices(batch, micro_batch_size=mbs, micro_batch=m, dp=dp, dp_rank=d)]
         assert sorted(seen) == sorted(batch.tolist())
+
+
+def test_state_is_what_the_planner_prices_per_parameter():
+    """bf16 parameters: 2 bytes each, an fp32 gradient buffer and fp32 master + moments (`state_bytes`);
+    fp32 parameters are their own master. Gradients accumulate in fp32 over backwards."""
+    for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        model = _model().to(dtype)
+        numel = sum(p.numel() for p in model.parameters())
+        opt = DataParallelAdamW(model, dp_group=None, **HP)
+        per = state_bytes(precision)
+        assert opt.memory_bytes() == {"params": per.weights * numel, "grads": per.grads * numel,
+                                      "optimizer": per.optimizer * numel}
+        x, y = _data(0, n=2)
+        for _ in range(2):  # two micro-batches: the buffer holds their fp32 sum, the parameters no .grad
+            model(x, y).backward()
+        assert all(p.grad is None for p in model.parameters())
+        assert opt.main_grad.dtype == torch.float32 and float(opt.main_grad.abs().sum()) > 0
+        opt.reduce_grads()
+        opt.step(lr=LR)
+        opt.zero_grad()
+        assert float(opt.main_grad.abs().sum()) == 0
+        if precision == "bf16":  # the parameters are the master rounded to bf16
+            torch.testing.assert_close(opt.params.float(), opt.master.to(dtype).float(), rtol=0, atol=0)
+        else:
+            assert opt.master.data_ptr() == opt.params.data_ptr()
+

@@ -48,6 +48,7 @@ def test_data_parallel_adamw_is_torch_adamw_bit_for_bit_on_the_cpu():
             q.grad = p.grad.clone()
         opt.reduce_grads()
         opt.step(lr=3e-3)
+        opt.zero_grad()  # the gradient buffer accumulates until zeroed
         torch_opt.step()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), name
