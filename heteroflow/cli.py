@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --evaluate: price the run as `train --emulate` does it, every rank a local CPU process")
     p.add_argument("--max-micro-batch-size", type=int, metavar="N", help="largest micro-batch size searched")
     p.add_argument("--all-layouts", action="store_true",
-                   help="also search layouts the cost model prices but `train` does not run yet (ZeRO-3)")
+                   help="also search layouts the cost model prices but `train` does not run yet (offload under ZeRO)")
 
     p = add("calibrate", cmd_calibrate,
             "fit the cost model's factors per device type to measured runs (metrics files or a measurements file)")

@@ -2,7 +2,8 @@
 
 What each rank writes (so every value is stored exactly once):
   * parameters: its tp shard (the box `ParamShard` describes), written by dp rank 0 only; values
-    replicated over tp (norms, kv projections kept whole) by tp rank 0 only;
+    replicated over tp (norms, kv projections kept whole) by tp rank 0 only. Under ZeRO-3 (`optimizer.zero`
+    3) no rank holds a whole tp shard: each writes the range it keeps, cut into boxes like the optimizer state;
   * optimizer state (fp32 master, exp_avg, exp_avg_sq): for each parameter, the part this rank keeps.
     Without ZeRO that is the whole local shard (written by dp rank 0). With ZeRO a rank keeps a
     contiguous range of the flattened local shard; that range is cut into at most a few boxes
@@ -66,7 +67,9 @@ def stage_pieces(model: nn.Module, optimizer: StageOptimizer | None, *, tp_rank:
     """The pieces this rank writes: its share of the parameters and of the optimizer state."""
     pieces = []
     stored = {id(param): (name, shard) for name, param, shard in _stored_params(model, tp_rank)}
-    if dp_rank == 0:
+    # ZeRO-3 keeps no whole copy of a parameter: each rank writes its range, from the master it also is (below).
+    params_sharded = optimizer is not None and optimizer.zero >= 3
+    if dp_rank == 0 and not params_sharded:
         values = dict(optimizer.named_weights() if optimizer is not None else model.named_parameters())
         for name, param, shard in _stored_params(model, tp_rank):
             pieces.append(Piece("param", name, shard.full_shape, shard_box(shard), values[name].detach()))
@@ -80,6 +83,9 @@ def stage_pieces(model: nn.Module, optimizer: StageOptimizer | None, *, tp_rank:
         for a, b, box in _zero_boxes(shard, start, stop):
             for kind in OPTIMIZER_KINDS:
                 pieces.append(Piece(kind, name, shard.full_shape, box, views[kind][a:b].view(box_shape(box))))
+            if params_sharded:  # a copy: safetensors refuses two entries sharing memory
+                pieces.append(Piece("param", name, shard.full_shape, box,
+                                    views["master"][a:b].detach().clone().view(box_shape(box))))
     return pieces
 
 

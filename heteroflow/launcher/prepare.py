@@ -131,9 +131,10 @@ def check_runnable(plan: PlanSpec) -> None:
                             "offloaded blocks hand their gradients to the optimizer tier during the backward, before "
                             "they are summed over cp; keep params on the device (offload: {optimizer: cpu} works "
                             "with cp) or use cp: 1")
-    if any(stage.layout.zero == 3 for stage in plan.stages):
-        raise UserError("ZeRO-3 is priced by the planner (`heteroflow plan --all-layouts`) but not run by the "
-                        "runtime yet; use zero: 0, 1 or 2, or let `heteroflow plan` (without --all-layouts) choose")
+        if lay.cp > 1 and lay.zero == 3:
+            raise UserError(f"plan.stages[{k}]: cp {lay.cp} with zero: 3 is not run yet: the weights' gradients are "
+                            "summed over cp on whole tensors, ZeRO-3 keeps them sharded over dp; use zero: 1 or 2 "
+                            "with cp, or cp: 1")
 
 
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:

@@ -25,7 +25,7 @@ elements `[start, stop)` of the flattened local parameter, each `t` 1-D."""
 @runtime_checkable
 class StageOptimizer(Protocol):
     """AdamW with fp32 master weights over one rank's share of a stage, gradients summed over the stage's
-    tp and dp groups (`DataParallelAdamW`, `OffloadedAdamW`)."""
+    tp and dp groups (`DataParallelAdamW`, `OffloadedAdamW`, `models.zero3.Zero3AdamW`)."""
 
     zero: int
     """The ZeRO stage: 0 when every dp rank keeps all of the state (then dp rank 0 writes it to checkpoints)."""

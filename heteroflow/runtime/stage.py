@@ -11,10 +11,11 @@ from heteroflow.backends import ProcessGroups, RankMap, StageBoundary
 from heteroflow.backends.rankmap import RankInfo
 from heteroflow.config import JobConfig, PlanSpec, StageSpec
 from heteroflow.devices.facade import Device
-from heteroflow.models.data_parallel import DataParallelAdamW
+from heteroflow.models.data_parallel import DataParallelAdamW, sync_tied_grads
 from heteroflow.models.init import init_weights, materialize
 from heteroflow.models.llama import StageModel, build_stage_model
 from heteroflow.models.parallelize import parallelize_stage
+from heteroflow.models.zero3 import Zero3AdamW, shard_stage_zero3
 from heteroflow.offload.stage_optimizer import OffloadedAdamW, offloads_state
 from heteroflow.optim import StageOptimizer
 from heteroflow.runtime.memory import SavedActivationMeter
@@ -35,7 +36,8 @@ class StageRuntime:
     groups: ProcessGroups
     model: StageModel
     optimizer: StageOptimizer
-    """`OffloadedAdamW` when the stage's plan offloads optimizer state or parameters, else `DataParallelAdamW`."""
+    """`OffloadedAdamW` when the stage's plan offloads optimizer state or parameters, `Zero3AdamW` under ZeRO-3,
+    else `DataParallelAdamW`."""
     prev: StageBoundary | None
     """Boundary from the previous stage (None on the first stage)."""
     next: StageBoundary | None
@@ -73,6 +75,17 @@ class StageRuntime:
         """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
         return self.optimizer.report() if isinstance(self.optimizer, OffloadedAdamW) else None
 
+    def sync_tied_grads(self) -> None:
+        """Sum the gradient of an embedding tied across stages with the other end's (first and last stage ranks;
+        a no-op elsewhere). Call after the step's backwards, before `optimizer.reduce_grads`."""
+        if self.tied_group is None:
+            return
+        if isinstance(self.optimizer, Zero3AdamW):
+            self.optimizer.sync_tied_grads(self.tied_group)
+        else:  # cp ranks hold partial sums too: the total lands on one rank of the stage's cp x dp replicas
+            sync_tied_grads(self.model, group=self.tied_group, tp_rank=self.info.tp,
+                            dp_rank=self.info.dp * self.stage.layout.cp + self.info.cp, grad_of=self.optimizer.grad_of)
+
     def close(self) -> None:
         """Free the offload stores and delete the swap files (idempotent; call also when the step failed)."""
         if isinstance(self.optimizer, OffloadedAdamW):
@@ -103,12 +116,21 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     else:
         init_weights(model, seed=job.train.seed)
     t = job.train
-    # The parameters live in the stage's compute dtype (`heteroflow.layout.state_bytes`): the optimizer's fp32
-    # master copy starts from these rounded values, as Megatron's does.
-    model.to(_DTYPES[stage.layout.compute_precision(t.precision)])
+    precision = stage.layout.compute_precision(t.precision)
+    if stage.layout.zero == 3 and not offloads_state(stage):
+        # FSDP2 keeps the fp32 shards as the master weights and gathers them in the stage's precision
+        shard_stage_zero3(model, dp_group=groups.dp, device_type=device.torch_device.type,
+                          param_dtype=None if precision == "fp32" else _DTYPES[precision])
+    else:
+        # The parameters live in the stage's compute dtype (`heteroflow.layout.state_bytes`): the optimizer's fp32
+        # master copy starts from these rounded values, as Megatron's does.
+        model.to(_DTYPES[precision])
     if offloads_state(stage):
         optimizer: StageOptimizer = offloaded_optimizer(model, job=job, stage=stage, stage_index=k, groups=groups,
                                                         device=device)
+    elif stage.layout.zero == 3:
+        optimizer = Zero3AdamW(model, dp_group=groups.dp, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
+                               eps=t.adam_eps, weight_decay=t.weight_decay)
     else:
         optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.layout.zero, 2),
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,

@@ -176,11 +176,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                                              timer=timer)
             inject_grad_fault(rt.model, rank, step, rt.optimizer.grad_of)
             with timer.part("dp"):
-                if rt.tied_group is not None:
-                    from heteroflow.models.data_parallel import sync_tied_grads
-                    # cp ranks hold partial sums too: the total lands on one rank of the stage's cp x dp replicas
-                    sync_tied_grads(rt.model, group=rt.tied_group, tp_rank=info.tp, dp_rank=info.dp * cp + info.cp,
-                                    grad_of=rt.optimizer.grad_of)
+                rt.sync_tied_grads()
                 if cp > 1:  # replicated weights saw only this rank's tokens: sum over cp, then over dp as always
                     all_reduce_cp_grads(rt.model, groups.cp, grad_of=rt.optimizer.grad_of)
                 rt.optimizer.reduce_grads()

@@ -22,7 +22,7 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
     """Search (or, with `evaluate`, estimate) a plan for a job; print a table or JSON; write files.
 
     The search covers the layouts `heteroflow train` runs (`RUNTIME_LAYOUTS`), or with `all_layouts` every
-    layout the cost model prices (ZeRO-3 too), for capacity planning. `calibration_path` (default: the job's
+    layout the cost model prices (offload under ZeRO too), for capacity planning. `calibration_path` (default: the job's
     `cluster.calibration`) scales the cost model's rates with fitted factors.
     """
     from heteroflow.config import load_job, load_plan_file

@@ -45,8 +45,8 @@ from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, dtype_bytes,
-                                        memory_from_parts, memory_parts, memory_total_from_parts,
-                                        state_bytes_per_param)
+                                        REDUCE_BYTES, memory_from_parts, memory_parts,
+                                        memory_total_from_parts, state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
 """A fused AdamW step (CPU Adam of offloaded optimizer state): read grad, master, two moments; write three."""
@@ -55,7 +55,8 @@ DEVICE_ADAM_BYTES_PER_PARAM = 104
 the clip scale, weight decay, lerp, mul, addcmul, sqrt, bias division, eps add, addcdiv (92 bytes) and the
 gradient-norm share (12)."""
 FLAT_BUFFER_BYTES_PER_PARAM = 20
-"""...and per local parameter: its flat fp32 gradient buffer zeroed and filled (12), the weights copied back (8)."""
+"""...and per local parameter: its flat fp32 gradient buffer zeroed and filled (12), the weights copied back (8)
+(not under ZeRO-3: `models.zero3.Zero3AdamW` updates the parameter shards in place)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +209,9 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
 
     # Traffic hidden behind each block's compute.
     overlap_fwd = overlap_bwd = 0.0
-    if layout.zero >= 3:
+    if layout.zero >= 3:  # `models.zero3`: gathered for forward, again for backward, gradients reduced in fp32
         overlap_fwd += b.gather_weights_s
-        overlap_bwd += b.gather_weights_s + b.scatter_grads_s
+        overlap_bwd += b.gather_weights_s + b.zero3_scatter_s
     elif layout.zero == 2:
         overlap_bwd += b.scatter_grads_s
     off = layout.offload
@@ -266,6 +267,8 @@ class _Base:
     p_layer: float
     gather_weights_s: float
     scatter_grads_s: float
+    zero3_scatter_s: float
+    """A block's fp32 gradient reduce-scatter under ZeRO-3."""
     emb_f: float
     emb_b: float
     head_f: float
@@ -311,8 +314,11 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
         comm_head_f, comm_head_b = 0.0, all_reduce_s(act_bytes, tp, intra, intra_lat)
     emb_f, head_f, head_b = emb_f + comm_emb_f, head_f + comm_head_f, head_b + comm_head_b
     p_emb, p_head = embedding_params_per_rank(model, tp), head_params_per_rank(model, tp, single_stage=False)
-    zero3 = (all_gather_s(p_emb * wb, dp, dp_bw, dp_lat), all_gather_s(p_emb * (wb + gb), dp, dp_bw, dp_lat),
-             all_gather_s(p_head * wb, dp, dp_bw, dp_lat), all_gather_s(p_head * (wb + gb), dp, dp_bw, dp_lat))
+    # ZeRO-3: the embedding and the head are units of their own: gathered for forward; gathered again and
+    # their fp32 gradients reduce-scattered (the same ring traffic as an all-gather) in backward.
+    emb_gather, head_gather = all_gather_s(p_emb * wb, dp, dp_bw, dp_lat), all_gather_s(p_head * wb, dp, dp_bw, dp_lat)
+    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * REDUCE_BYTES, dp, dp_bw, dp_lat),
+             head_gather, head_gather + all_gather_s(p_head * REDUCE_BYTES, dp, dp_bw, dp_lat))
     params = Affine(0.0, p_layer, 0.0, p_emb, p_head,
                     -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0)
     return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
@@ -321,7 +327,8 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                  comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
                  p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, dp, dp_bw, dp_lat),
-                 scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
+                 scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat),
+                 zero3_scatter_s=all_gather_s(p_layer * REDUCE_BYTES, dp, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
@@ -384,7 +391,8 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     shard = 1.0 / dp if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":
-        opt_per_param += (FLAT_BUFFER_BYTES_PER_PARAM + shard * DEVICE_ADAM_BYTES_PER_PARAM) / (dev.hbm_gb_per_s * 1e9)
+        flat = 0 if layout.zero >= 3 else FLAT_BUFFER_BYTES_PER_PARAM  # ZeRO-3 steps on its shards in place
+        opt_per_param += (flat + shard * DEVICE_ADAM_BYTES_PER_PARAM) / (dev.hbm_gb_per_s * 1e9)
         return dp_const, dp_per_param, opt_const, opt_per_param
     host_adam = ADAM_BYTES_PER_PARAM / (dev.host_memory_gb_per_s / hw.node_count * 1e9)
     opt_per_param += shard * host_adam

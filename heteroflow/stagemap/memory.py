@@ -6,10 +6,15 @@ is what the runtime allocates, `heteroflow.layout.state_bytes` (Megatron's layou
 an fp32 gradient buffer 4 bytes, optimizer state 12 bytes (fp32 master copy, Adam m and v); fp32 training keeps
 4 + 4 bytes and 8 bytes of moments (the weights are the master). Everything is divided by tp (kv heads
 replicated when tp exceeds them); ZeRO over the stage's dp divides the optimizer state (stage >= 1,
-`optimizer_shards`), and with stage 3 gradients and weights (plus a prefetch buffer of two gathered layers);
+`optimizer_shards`). ZeRO-3 keeps what its runtime (`models.zero3`, FSDP2) keeps: per parameter, split over
+dp, the fp32 shard (also the master weight), its fp32 gradient and the fp32 moments (`ZERO3_SHARD_BYTES`);
+gathered in the stage's precision, a window of two units (the running block and the prefetched one; the
+embedding or head when larger), and while a unit's gradients are reduce-scattered, those gradients plus
+their fp32 copy in the reduce-scatter buffer.
 ZeRO 2 keeps the whole gradient buffer, as ZeRO 1 (it accumulates the micro-batches before the dp
 reduce-scatter). Offloading the optimizer moves its state, still divided by dp under ZeRO 1/2
-(ZeRO-Offload), to the offload tier (`offloaded_optimizer_bytes`) and removes the gradient buffer from the device (each gradient leaves for the host as autograd produces it); offloading
+(ZeRO-Offload), to the offload tier (`offloaded_optimizer_bytes`), and removes the gradient buffer from the
+device (each gradient leaves for the host as autograd produces it); offloading
 parameters leaves a window of two layers of weights (each tp rank's shards: one in use, one prefetched) and
 one layer's `.grad`, plus the embedding, final norm and head, which the runtime keeps on the device.
 
@@ -49,6 +54,13 @@ LOGIT_BYTES = 6
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes of one element in each precision: the one table the cost model reads dtype sizes from."""
+
+
+ZERO3_SHARD_BYTES = (4, 4, 8)
+"""ZeRO-3 (`models.zero3`), bytes per parameter split over dp: the fp32 parameter shard (which is the master
+weight), its fp32 gradient shard and the fp32 Adam moments."""
+REDUCE_BYTES = 4
+"""Gradients are reduce-scattered in fp32 under ZeRO-3, whatever the stage computes in."""
 
 
 def dtype_bytes(precision: str) -> int:
@@ -212,6 +224,8 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
         else:
             weights = state(parts.wb, 1)
     optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
+    if _runs_zero3(layout):
+        weights, gradients, optimizer = _zero3_state(parts, dp)
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
         activations = Affine(stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -235,6 +249,30 @@ def optimizer_state(parts: MemoryParts, layout: ParallelLayout) -> Affine:
 def offloaded_optimizer_bytes(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """Optimizer state bytes one device keeps in its offload tier (cpu or ssd); zero when it stays on the device."""
     return optimizer_state(parts, layout) if layout.offload.optimizer != "device" else _ZERO
+
+
+def _runs_zero3(layout: ParallelLayout) -> bool:
+    """ZeRO-3 with its state on the device: what `models.zero3` runs (offloaded ZeRO-3 is priced, not run)."""
+    return layout.zero >= 3 and layout.offload.params == "device" and layout.offload.optimizer == "device"
+
+
+def _zero3_state(parts: MemoryParts, dp: int) -> tuple[Affine, Affine, Affine]:
+    """(weights, gradients, optimizer) of a ZeRO-3 stage that keeps its state on the device (`models.zero3`)."""
+    p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
+    w1, w2 = max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
+
+    def shard(per_param: float) -> Affine:
+        k = per_param / dp
+        return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
+
+    def window(units: float, per_param: float) -> Affine:
+        return Affine(units * p_layer * per_param, 0.0, 0.0, w1 * per_param, w2 * per_param, 0.0)
+
+    param_b, grad_b, moment_b = ZERO3_SHARD_BYTES
+    weights = Affine(*map(sum, zip(shard(param_b), window(2, parts.wb))))
+    # a unit's gradients come out of its backward in the stage's precision, then fp32 for the reduce-scatter
+    gradients = Affine(*map(sum, zip(shard(grad_b), window(1, parts.wb + REDUCE_BYTES))))
+    return weights, gradients, shard(moment_b)
 
 
 def _offloaded_ends(parts: MemoryParts, zero: int) -> tuple[float, float, float]:
@@ -268,10 +306,14 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
     const = parts.reserve
-    grads = _gradients(parts, layout)
+    grads = _ZERO if _runs_zero3(layout) else _gradients(parts, layout)
     const += grads.const
     per_layer, first, last, both = grads.per_layer, grads.first, grads.last, grads.both
-    if off.params != "device":
+    if _runs_zero3(layout):
+        state = Affine(*map(sum, zip(*_zero3_state(parts, dp))))
+        const, per_layer, first, last, both = (const + state.const, state.per_layer, state.first, state.last,
+                                               state.both)
+    elif off.params != "device":
         e1, e2, e3 = _offloaded_ends(parts, zero)
         const += w0 * parts.wb
         first += e1 * parts.wb
@@ -287,7 +329,7 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
         first += p_embed * k
         last += p_head * k
         both += tied * k
-    if off.optimizer == "device":
+    if off.optimizer == "device" and not _runs_zero3(layout):
         k = parts.ob / optimizer_shards(zero, dp)
         per_layer += p_layer * k
         first += p_embed * k

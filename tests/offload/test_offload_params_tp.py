@@ -260,19 +260,23 @@ def test_train_accepts_params_offload_with_tp():
 
 
 def test_plan_auto_offloads_tp_shards_of_parameters_when_nothing_else_fits():
-    from heteroflow.launcher.prepare import check_runnable, search_plan_or_fail
+    from heteroflow.launcher.prepare import check_runnable
     from heteroflow.stagemap import RUNTIME_LAYOUTS, search_plan
     from heteroflow.stagemap.layout import OFFLOAD_CHOICES
 
-    # Llama-2 7B on one node of two 12 GiB cards: only tp 2 with the parameters off the device fits.
-    cards = {"device_types": {"small-card": {"vendor": "ascend", "memory_gib": 12, "tflops_bf16": 200,
+    # Llama-2 7B on one node of two 7 GiB cards: without ZeRO-3 (which shards the parameters over dp instead),
+    # only tp 2 with the parameters off the device fits.
+    cards = {"device_types": {"small-card": {"vendor": "ascend", "memory_gib": 7, "tflops_bf16": 200,
                                              "intra_node_gb_per_s": 50}},
              "nodes": [{"name": "n0", "device": "small-card", "count": 2}]}
     job = parse_job({"cluster": cards, "model": {"preset": "llama2-7b", "seq_length": 1024},
                      "train": {"global_batch_size": 16, "precision": "bf16"}})
+    no_zero3 = replace(RUNTIME_LAYOUTS, zero=tuple(z for z in RUNTIME_LAYOUTS.zero if z < 3))
     params_on_device = tuple(off for off in OFFLOAD_CHOICES if off.params == "device")
-    assert not search_plan(job, options=replace(RUNTIME_LAYOUTS, offload=params_on_device)).feasible
-    plan = search_plan_or_fail(job)
+    assert not search_plan(job, options=replace(no_zero3, offload=params_on_device)).feasible
+    report = search_plan(job, options=no_zero3)
+    assert report.feasible
+    plan = report.estimate.plan
     (stage,) = plan.stages
     assert stage.layout.tp == 2 and stage.layout.offload.params == "cpu"
     check_runnable(plan)
@@ -296,7 +300,9 @@ def test_the_planners_params_window_is_two_blocks_of_tp_shards_plus_the_resident
         # independent of the stage's layer count: only the window is on the device
         assert priced.weights.at(1, 1, first, last) == priced.weights.at(40, 1, first, last)
         assert priced.components(40, 1, first, last)["weights"] * gib == pytest.approx(2 * (2 * block + ends))
-        assert priced.components(40, 1, first, last)["gradients"] * gib == pytest.approx(2 * (2 * block + ends))
+        # one block's bf16 `.grad` while its backward runs: the optimizer tier takes every other gradient (the
+        # resident ends' too) as autograd produces it
+        assert priced.components(40, 1, first, last)["gradients"] * gib == pytest.approx(2 * block)
         assert memory_total_from_parts(parts, layout).at(40, 1, first, last) == pytest.approx(
             priced.total().at(40, 1, first, last))
 

@@ -122,7 +122,6 @@ def test_plan_proposes_what_train_runs_and_all_layouts_may_do_better(tmp_path):
     everything = heteroflow("plan", str(job_path), "--json", "--all-layouts")
     assert runnable.returncode == 0 and everything.returncode == 0, runnable.stderr + everything.stderr
     ours, priced = json.loads(runnable.stdout), json.loads(everything.stdout)
-    assert all(stage.get("zero", 0) <= 2 for stage in ours["stages"])
     check_runnable(load_plan_file(tmp_path / "plan.yaml", load_job(job_path)))  # `train --plan` takes it as is
-    assert any(stage.get("zero", 0) == 3 for stage in priced["stages"])  # this job is one where ZeRO-3 pays
+    assert any(stage.get("zero", 0) == 3 for stage in ours["stages"])  # this job is one where ZeRO-3 pays
     assert priced["tokens_per_s"] >= ours["tokens_per_s"]

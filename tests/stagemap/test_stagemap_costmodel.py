@@ -48,8 +48,11 @@ def test_zero_stages_and_tp_divide_training_state():
     assert z1["optimizer"] == pytest.approx(base["optimizer"] / 8)
     # ZeRO 2 keeps the whole fp32 gradient buffer (it accumulates the micro-batches before the reduce-scatter)
     assert z1["gradients"] == z2["gradients"] == base["gradients"]
-    assert z3["gradients"] == pytest.approx(base["gradients"] / 8)
-    assert z3["weights"] < base["weights"] / 2  # sharded, plus a two-layer gather buffer
+    # ZeRO-3 as models.zero3 runs it: 16 bytes per parameter over the 8 ranks (the fp32 shard is the master,
+    # moments alone are optimizer state), plus the gathered window of two blocks.
+    state = ("weights", "gradients", "optimizer")
+    assert z3["optimizer"] == pytest.approx(base["optimizer"] * 8 / 12 / 8)
+    assert sum(z3[k] for k in state) < sum(base[k] for k in state) / 4
     tp4 = _mem(ParallelLayout(tp=4, dp=2))
     assert tp4["weights"] == pytest.approx(base["weights"] / 4, rel=0.01)
     assert base["optimizer"] == pytest.approx(6 * base["weights"])  # 12 bytes vs 2 per parameter
@@ -72,7 +75,7 @@ def test_offload_moves_state_off_the_device():
     opt = _mem(ParallelLayout(dp=4, zero=3, offload=OffloadSpec(optimizer="cpu")))
     params = _mem(ParallelLayout(dp=4, zero=3, offload=OffloadSpec(optimizer="ssd", params="ssd")))
     acts = _mem(ParallelLayout(dp=4, zero=3, offload=OffloadSpec(activations="cpu")), in_flight=8)
-    assert opt["optimizer"] == 0 and opt["weights"] == base["weights"]
+    assert opt["optimizer"] == 0 and opt["weights"] < base["weights"]  # on the device the fp32 shard is the master
     assert params["weights"] < base["weights"]
     assert acts["activations"] < _mem(ParallelLayout(dp=4, zero=3), in_flight=8)["activations"]
 

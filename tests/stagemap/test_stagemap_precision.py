@@ -53,7 +53,8 @@ def test_state_and_element_bytes_per_precision():
                   .components(8, 2, False, False) for p in ("fp16", "fp32"))
     assert full["weights"] == pytest.approx(2 * half["weights"])
     assert full["gradients"] == pytest.approx(half["gradients"])  # an fp32 gradient buffer either way
-    assert 1.99 * half["activations"] < full["activations"] < 2 * half["activations"]  # fp32 softmax stats either way
+    # the 16-bit activations double in fp32; the fp32 ones (norm inputs, log-sum-exp) are the same either way
+    assert 1.5 * half["activations"] < full["activations"] < 2 * half["activations"]
     assert full["optimizer"] == pytest.approx(half["optimizer"] * 8 / 12)
 
 
