@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from heteroflow.config import limits
+from heteroflow.config.moe import MoESpec, parse_moe
 from heteroflow.config.reader import REQUIRED, Problems, Section
 from heteroflow.errors import did_you_mean
 
@@ -49,6 +50,8 @@ class ModelSpec:
     """rmsnorm or layernorm."""
     position_embedding: str = "rope"
     """rope, or learned absolute positions (GPT-3)."""
+    moe: MoESpec | None = None
+    """Mixture-of-experts FFN in some layers (`config.moe`); None is a dense model."""
 
     @property
     def kv_channels(self) -> int:
@@ -61,15 +64,30 @@ class ModelSpec:
         attn = h * d * (self.num_attention_heads * 2 + self.num_kv_heads * 2)
         if self.qkv_bias:
             attn += d * (self.num_attention_heads + 2 * self.num_kv_heads)
-        mlp = (3 if self.activation == "swiglu" else 2) * h * self.ffn_hidden_size
         norms = 2 * h * (2 if self.normalization == "layernorm" else 1)
-        per_layer = attn + mlp + norms + (2 * d if self.qk_norm else 0)
+        per_layer = attn + norms + (2 * d if self.qk_norm else 0)
+        mlps = sum(self.ffn_params(i) for i in range(self.num_layers))
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         positions = self.seq_length * h if self.position_embedding == "learned" else 0
-        return self.num_layers * per_layer + embed + positions + h
+        return self.num_layers * per_layer + mlps + embed + positions + h
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has the mixture-of-experts FFN."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def ffn_params(self, layer: int, *, active: bool = False) -> int:
+        """Parameters of layer `layer`'s FFN: all of them, or with `active` those one token uses (top-k
+        routed experts, the shared expert and the router)."""
+        h, moe = self.hidden_size, self.moe
+        matrices = 3 if self.activation == "swiglu" else 2
+        if not self.is_moe_layer(layer):
+            return matrices * h * self.ffn_hidden_size
+        experts = moe.top_k if active else moe.num_experts
+        shared = 3 * h * moe.shared_expert_ffn_hidden_size + (h if moe.shared_expert_gate else 0)
+        return experts * 3 * h * moe.ffn_hidden_size + shared + moe.num_experts * h
 
     def to_dict(self) -> dict:
-        """Plain data, every field written out."""
+        """Plain data, every field written out (`moe` as a mapping, or None)."""
         return asdict(self)
 
 
@@ -91,6 +109,14 @@ PRESETS: dict[str, ModelSpec] = {
     "qwen3-8b": ModelSpec(num_layers=36, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=32,
                           num_kv_heads=8, head_dim=128, vocab_size=151936, seq_length=40960,
                           rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True),
+    # Mixture of experts: Mixtral-8x7B-v0.1 and Qwen3-30B-A3B config.json (router_aux_loss_coef included).
+    "mixtral-8x7b": ModelSpec(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                              num_kv_heads=8, vocab_size=32000, seq_length=32768, rope_theta=1000000.0,
+                              moe=MoESpec(num_experts=8, top_k=2, ffn_hidden_size=14336, aux_loss_coeff=0.02)),
+    "qwen3-30b-a3b": ModelSpec(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                               num_kv_heads=4, head_dim=128, vocab_size=151936, seq_length=40960,
+                               rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+                               moe=MoESpec(num_experts=128, top_k=8, ffn_hidden_size=768, aux_loss_coeff=0.001)),
     "gpt3-175b": ModelSpec(num_layers=96, hidden_size=12288, ffn_hidden_size=49152, num_attention_heads=96,
                            num_kv_heads=96, vocab_size=50257, seq_length=2048, activation="gelu",
                            normalization="layernorm", position_embedding="learned"),
@@ -132,8 +158,16 @@ def parse_model(data: object, problems: Problems, path: str = "model") -> ModelS
     for name, choices in (("activation", ACTIVATIONS), ("normalization", NORMALIZATIONS),
                           ("position_embedding", POSITION_EMBEDDINGS)):
         fields[name] = sec.string(name, fields.get(name, choices[0]), choices=choices)
+    base_moe = fields.get("moe")
+    if sec.has("moe"):
+        fields["moe"] = parse_moe(sec.raw("moe"), problems, sec.at("moe"), base_moe)
+        moe_ok = fields["moe"] is not None
+    else:  # absent: the preset's (or dense); `moe: null`: dense
+        sec.raw("moe", None)
+        fields["moe"] = MoESpec(**base_moe) if base_moe and "moe" not in sec.data else None
+        moe_ok = True
     sec.finish()
-    if not sec.valid or any(fields[n] is None for n in (*_INT_FIELDS, "rope_theta", "norm_eps")):
+    if not sec.valid or not moe_ok or any(fields[n] is None for n in (*_INT_FIELDS, "rope_theta", "norm_eps")):
         return None
     spec = ModelSpec(**fields)
     return spec if check_model(spec, problems, path) else None
@@ -150,4 +184,6 @@ def check_model(spec: ModelSpec, problems: Problems, path: str = "model") -> boo
     if spec.num_attention_heads % spec.num_kv_heads:
         problems.add(f"{path}.num_kv_heads", f"num_attention_heads {spec.num_attention_heads} is not "
                      f"divisible by num_kv_heads {spec.num_kv_heads}")
+    if spec.moe is not None and spec.activation != "swiglu":
+        problems.add(f"{path}.moe", f"experts are SwiGLU; set activation: swiglu (got {spec.activation})")
     return len(problems.items) == before

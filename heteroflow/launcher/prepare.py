@@ -126,11 +126,6 @@ def check_runnable(plan: PlanSpec) -> None:
     check_offload_plan(plan)
     for k, stage in enumerate(plan.stages):
         lay = stage.layout
-        if lay.cp > 1 and lay.offload.params != "device":
-            raise UserError(f"plan.stages[{k}]: cp {lay.cp} with offload params: {lay.offload.params} is not run yet: "
-                            "offloaded blocks hand their gradients to the optimizer tier during the backward, before "
-                            "they are summed over cp; keep params on the device (offload: {optimizer: cpu} works "
-                            "with cp) or use cp: 1")
         if lay.cp > 1 and lay.zero == 3:
             raise UserError(f"plan.stages[{k}]: cp {lay.cp} with zero: 3 is not run yet: the weights' gradients are "
                             "summed over cp on whole tensors, ZeRO-3 keeps them sharded over dp; use zero: 1 or 2 "

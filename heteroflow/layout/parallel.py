@@ -20,6 +20,16 @@ ACTIVATION_TIERS = ("device", "cpu")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+class MoEShape(Protocol):
+    """The mixture-of-experts attributes the layout rules and per-rank counts read (`config.MoESpec`)."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int
+    shared_expert_gate: bool
+
+
 class ModelShape(Protocol):
     """The model attributes the layout rules and per-rank counts read (`config.ModelSpec` provides them)."""
 
@@ -35,6 +45,9 @@ class ModelShape(Protocol):
     activation: str
     normalization: str
     position_embedding: str
+    moe: MoEShape | None
+
+    def is_moe_layer(self, layer: int) -> bool: ...
 
     @property
     def kv_channels(self) -> int: ...
@@ -119,6 +132,12 @@ class ParallelLayout:
             ways = self.tp * (2 * self.cp if self.cp > 1 else 1)
             problems.append(LayoutProblem("sp", f"seq_length {model.seq_length} is not divisible by "
                                           f"tp * {'2 * cp' if self.cp > 1 else 'cp'} = {ways}"))
+        # Routing and its aux loss would see a sequence chunk per rank (expert parallelism will revisit this).
+        if model.moe is not None and (self.sp or self.cp > 1):
+            key = "sp" if self.sp else "cp"
+            problems.append(LayoutProblem(key, f"{'sequence' if self.sp else 'context'} parallelism is not implemented "
+                                          f"for mixture-of-experts models yet; set {key}: "
+                                          f"{'false' if self.sp else '1'}"))
         if micro_batch_size is not None and micro_batch_size % self.dp:
             problems.append(LayoutProblem("dp", f"dp {self.dp} does not divide micro_batch_size {micro_batch_size}; "
                                           "each dp rank takes an equal share of every micro-batch"))
@@ -181,6 +200,10 @@ def tp_problems(model: ModelShape, tp: int) -> list[LayoutProblem]:
         problems.append(LayoutProblem("tp", f"tp {tp} and num_kv_heads {model.num_kv_heads} must divide one another"))
     if model.ffn_hidden_size % tp:
         problems.append(LayoutProblem("tp", f"tp {tp} does not divide ffn_hidden_size {model.ffn_hidden_size}"))
+    moe = model.moe
+    for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+        if moe is not None and getattr(moe, name) % tp:
+            problems.append(LayoutProblem("tp", f"tp {tp} does not divide model.moe.{name} {getattr(moe, name)}"))
     return problems
 
 

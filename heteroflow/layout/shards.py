@@ -31,16 +31,39 @@ def mlp_matrices(model: ModelShape) -> int:
     return 3 if model.activation == "swiglu" else 2
 
 
+def active_ffn_width(model: ModelShape) -> int:
+    """FFN inner width one token goes through in a block, for compute and activations: `ffn_hidden_size`, or in
+    a mixture-of-experts model the larger of it and top_k routed experts plus the shared expert (so a model
+    with some dense layers is priced at its costlier layer kind; routing itself is not priced yet)."""
+    moe = model.moe
+    if moe is None:
+        return model.ffn_hidden_size
+    return max(model.ffn_hidden_size, moe.top_k * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size)
+
+
+def mlp_params_per_rank(model: ModelShape, tp: int) -> float:
+    """Parameters of one block's FFN on one tp rank, every expert counted (memory, gradients, optimizer):
+    the dense MLP, or the larger of it and a MoE layer (experts and shared expert split over tp, the router
+    and the shared expert's gate whole on every rank)."""
+    dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
+    moe = model.moe
+    if moe is None:
+        return dense
+    h = model.hidden_size
+    experts = 3 * h * (moe.num_experts * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size) / tp
+    return max(dense, experts + moe.num_experts * h + (h if moe.shared_expert_gate else 0))
+
+
 def layer_params_per_rank(model: ModelShape, tp: int) -> float:
-    """Parameters of one transformer block that one tp rank computes with (kv counted at its local heads)."""
+    """Parameters of one transformer block that one tp rank holds (kv counted at its local heads; every expert
+    of a MoE block, see `mlp_params_per_rank`)."""
     h, d = model.hidden_size, model.kv_channels
     q_loc, kv_loc = heads_per_rank(model, tp), kv_heads_per_rank(model, tp)
     attn = 2 * h * q_loc * d + 2 * h * kv_loc * d
     if model.qkv_bias:
         attn += (q_loc + 2 * kv_loc) * d
-    mlp = mlp_matrices(model) * h * model.ffn_hidden_size / tp
     norms = 2 * h * (2 if model.normalization == "layernorm" else 1) + (2 * d if model.qk_norm else 0)
-    return attn + mlp + norms
+    return attn + mlp_params_per_rank(model, tp) + norms
 
 
 def embedding_params_per_rank(model: ModelShape, tp: int) -> float:

@@ -1,4 +1,5 @@
-"""Read (and write) Hugging Face-format Llama / Qwen2 / Qwen3 checkpoints with safetensors only.
+"""Read (and write) Hugging Face-format Llama / Qwen2 / Qwen3 checkpoints, and the mixture-of-experts
+Mixtral / Qwen2-MoE / Qwen3-MoE ones, with safetensors only.
 
 A checkpoint directory holds `config.json` and one `model.safetensors`, or several shards listed in
 `model.safetensors.index.json`. Pickle files (`*.bin`) are never opened. The architecture comes from
@@ -23,11 +24,22 @@ from torch import nn
 
 from heteroflow.config import JobConfig
 from heteroflow.config.model import ModelSpec
+from heteroflow.config.moe import MoESpec
 from heteroflow.errors import ConfigError, Problem, UserError
 from heteroflow.models.hf_files import CONFIG_FILE, check_inside, index_files, read_hf_config
 from heteroflow.models.shard import shard_of
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+_QWEN_MLP = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
+_MOE_NAMES = {  # ours (inside layers.{i}.) -> theirs, per MoE model type; experts keep their global index
+    "mixtral": ((re.compile(r"^mlp\.router\."), "block_sparse_moe.gate."),
+                (re.compile(r"^mlp\.experts\.(\d+)\.w([123])\."), r"block_sparse_moe.experts.\1.w\2.")),
+    "qwen_moe": ((re.compile(r"^mlp\.router\."), "mlp.gate."),
+                 (re.compile(r"^mlp\.shared_expert_gate\."), "mlp.shared_expert_gate."),
+                 (re.compile(r"^mlp\.shared_expert\.w([123])\."), lambda m: f"mlp.shared_expert.{_QWEN_MLP[m[1]]}."),
+                 (re.compile(r"^mlp\.experts\.(\d+)\.w([123])\."),
+                  lambda m: f"mlp.experts.{m[1]}.{_QWEN_MLP[m[2]]}.")),
+}
 _LAYER_NAMES = {  # ours (inside layers.{i}.) -> Hugging Face (inside model.layers.{i}.)
     "attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
     "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -39,12 +51,17 @@ _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face tensor name of our parameter `name` (`layers.3.attn.wq.weight` ->
-    `model.layers.3.self_attn.q_proj.weight`)."""
+    `model.layers.3.self_attn.q_proj.weight`) in a checkpoint of `model_type`."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     match = _LAYER.match(name)
+    moe_names = _MOE_NAMES.get("qwen_moe" if model_type in ("qwen2_moe", "qwen3_moe") else model_type, ())
+    for pattern, theirs in moe_names if match else ():
+        rest, found = pattern.subn(theirs, match[2])
+        if found:
+            return f"model.layers.{match[1]}.{rest}"
     if match:
         for ours, theirs in _LAYER_NAMES.items():
             rest = match[2]
@@ -77,10 +94,12 @@ def model_spec_from_hf_config(config: dict, *, seq_length: int | None = None) ->
         unsupported.append(f"hidden_act {config['hidden_act']!r} (only silu)")
     if config.get("mlp_bias"):
         unsupported.append("mlp_bias")
-    if model_type != "qwen2" and config.get("attention_bias"):
+    if model_type not in ("qwen2", "qwen2_moe") and config.get("attention_bias"):
         unsupported.append("attention_bias (bias on o_proj)")
-    if config.get("use_sliding_window"):
-        unsupported.append("use_sliding_window")
+    if config.get("use_sliding_window") or (model_type == "mixtral" and config.get("sliding_window")):
+        unsupported.append("sliding_window attention")
+    if config.get("router_jitter_noise"):
+        unsupported.append("router_jitter_noise")
     if unsupported:
         raise UserError(f"train.init_from: config.json asks for {', '.join(unsupported)}, which heteroflow's "
                         "Llama model does not implement")
@@ -94,7 +113,33 @@ def model_spec_from_hf_config(config: dict, *, seq_length: int | None = None) ->
         head_dim=None if head_dim in (None, config["hidden_size"] // heads) else head_dim,
         rope_theta=_rope_theta(config), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
+        qkv_bias=model_type in ("qwen2", "qwen2_moe"), qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=_moe_from_hf_config(config))
+
+
+def _moe_from_hf_config(config: dict) -> MoESpec | None:
+    """The `MoESpec` of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json; None for a dense model type."""
+    model_type = config["model_type"]
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return None
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    coeff = float(config.get("router_aux_loss_coef", 0.0))
+    if model_type == "mixtral":
+        return MoESpec(num_experts=num_experts, top_k=config["num_experts_per_tok"],
+                       ffn_hidden_size=config["intermediate_size"], aux_loss_coeff=coeff)
+    # Qwen: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers;
+    # heteroflow represents the common case, dense first layers then all sparse.
+    dense = sorted(config.get("mlp_only_layers") or [])
+    if config.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+        raise UserError(f"train.init_from: config.json has decoder_sparse_step {config.get('decoder_sparse_step')} "
+                        f"and mlp_only_layers {dense}; heteroflow's MoE layers are the ones after the first "
+                        "dense layers (decoder_sparse_step 1, mlp_only_layers [0, ..., k-1])")
+    shared = config.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return MoESpec(num_experts=num_experts, top_k=config["num_experts_per_tok"],
+                   ffn_hidden_size=config["moe_intermediate_size"],
+                   normalize_top_k=bool(config.get("norm_topk_prob", False)),
+                   shared_expert_ffn_hidden_size=shared, shared_expert_gate=bool(shared),
+                   first_dense_layers=len(dense), aux_loss_coeff=coeff)
 
 
 # How each ModelSpec field is spelled in config.json, for error messages.
@@ -102,22 +147,42 @@ _HF_KEYS = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_
             "num_kv_heads": "num_key_value_heads", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
             "tie_embeddings": "tie_word_embeddings", "qkv_bias": "model_type (qwen2 has q/k/v biases)",
             "qk_norm": "model_type (qwen3 has q/k norms)", "activation": "hidden_act",
-            "normalization": "its RMSNorm", "position_embedding": "its RoPE"}
+            "normalization": "its RMSNorm", "position_embedding": "its RoPE",
+            "moe.num_experts": "num_local_experts / num_experts", "moe.top_k": "num_experts_per_tok",
+            "moe.ffn_hidden_size": "intermediate_size (mixtral) / moe_intermediate_size",
+            "moe.normalize_top_k": "norm_topk_prob", "moe.shared_expert_ffn_hidden_size":
+            "shared_expert_intermediate_size", "moe.shared_expert_gate": "model_type (qwen2_moe gates its shared "
+            "expert)", "moe.first_dense_layers": "mlp_only_layers", "moe.layer_freq": "decoder_sparse_step"}
+_TRAINING_CHOICES = ("seq_length", "moe.aux_loss_coeff", "moe.capacity_factor")
+"""Fields a job sets freely whatever the checkpoint says."""
+
+
+def _architecture(spec: ModelSpec) -> dict:
+    """Field name -> value, MoE fields as `moe.<name>` (None everywhere for a dense model)."""
+    out = {f.name: getattr(spec, f.name) for f in fields(ModelSpec) if f.name != "moe"}
+    out["head_dim"] = spec.kv_channels
+    out["moe"] = spec.moe is not None
+    out.update({f"moe.{f.name}": getattr(spec.moe, f.name) if spec.moe else None for f in fields(MoESpec)})
+    return out
 
 
 def check_against(job_spec: ModelSpec, ckpt_spec: ModelSpec, *, ckpt_dir: str,
                   path: str = "train.init_from") -> None:
     """Raise a `ConfigError` with one line per architecture field where the job and config.json differ."""
     problems = []
-    for f in fields(ModelSpec):
-        if f.name == "seq_length":
+    ours_all, theirs_all = _architecture(job_spec), _architecture(ckpt_spec)
+    if ours_all["moe"] != theirs_all["moe"]:
+        kind = "a mixture-of-experts" if theirs_all["moe"] else "a dense"
+        problems.append(Problem(path, f"{ckpt_dir}: config.json describes {kind} model "
+                                f"(model_type {'MoE' if theirs_all['moe'] else 'dense'}); set model.moe "
+                                f"{'to its experts' if theirs_all['moe'] else 'to null'}"))
+    for name, ours in ours_all.items():
+        theirs = theirs_all[name]
+        if name in _TRAINING_CHOICES or name == "moe" or ours is None or theirs is None:
             continue
-        ours, theirs = getattr(job_spec, f.name), getattr(ckpt_spec, f.name)
-        if f.name == "head_dim":
-            ours, theirs = job_spec.kv_channels, ckpt_spec.kv_channels
         if ours != theirs:
-            problems.append(Problem(path, f"{ckpt_dir}: model.{f.name} is {ours} but config.json says "
-                                    f"{_HF_KEYS.get(f.name, f.name)} = {theirs}; set model.{f.name}: {theirs}"))
+            problems.append(Problem(path, f"{ckpt_dir}: model.{name} is {ours} but config.json says "
+                                    f"{_HF_KEYS.get(name, name)} = {theirs}; set model.{name}: {theirs}"))
     if problems:
         raise ConfigError(problems)
 
@@ -148,7 +213,7 @@ class HFCheckpoint:
 
     def source_name(self, name: str) -> str:
         """The stored tensor that our parameter `name` takes its values from."""
-        theirs = hf_name(name)
+        theirs = hf_name(name, self.config["model_type"])
         if name == "head.weight" and self.spec.tie_embeddings and theirs not in self.files:
             return _TOP_NAMES["embed.weight"]  # tied checkpoints usually store the embedding only
         return theirs
@@ -242,7 +307,7 @@ def write_hf_checkpoint(state: dict[str, torch.Tensor], spec: ModelSpec, out_dir
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config_from_spec(spec, model_type=model_type), indent=2))
-    tensors = {hf_name(k): v.detach().contiguous().cpu() for k, v in state.items()
+    tensors = {hf_name(k, model_type): v.detach().contiguous().cpu() for k, v in state.items()
                if not (spec.tie_embeddings and k == "head.weight")}
     names = sorted(tensors)
     if num_shards == 1:

@@ -44,7 +44,7 @@ def full_init_value(name: str, shape: tuple[int, ...], *, seed: int, num_layers:
         return torch.zeros(shape)
     if len(leaf) == 2 and leaf[0].rsplit(".", 1)[-1].endswith("norm"):  # attn_norm, mlp_norm, norm, q_norm, ...
         return torch.ones(shape)
-    if scaled_output and (name.endswith(".attn.wo.weight") or name.endswith(".mlp.w2.weight")):
+    if scaled_output and (name.endswith(".attn.wo.weight") or (".mlp." in name and name.endswith(".w2.weight"))):
         std = std / math.sqrt(2 * num_layers)
     generator = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
     return torch.randn(shape, generator=generator, dtype=torch.float32) * std

@@ -14,6 +14,9 @@ Face loading key on them:
     layers.{i}.attn.{q_norm,k_norm}.weight (qk_norm)
     layers.{i}.mlp_norm.weight
     layers.{i}.mlp.{w1,w2,w3}.weight        w1 gate, w3 up, w2 down (gelu: w1, w2 only)
+    layers.{i}.mlp.router.weight            MoE layers (`moe.py`) instead: router [experts, hidden],
+    layers.{i}.mlp.experts.{j}.{w1,w2,w3}.weight   expert j (global index),
+    layers.{i}.mlp.shared_expert.{w1,w2,w3}.weight, layers.{i}.mlp.shared_expert_gate.weight
     norm.weight                     final norm                      (last stage)
     head.weight                     LM head                         (last stage)
 
@@ -35,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from heteroflow.config.model import ModelSpec
+from heteroflow.models.ffn import FeedForward
+from heteroflow.models.moe import MoE
 
 IGNORE_INDEX = -100
 """Label value whose token does not count in the loss (as in PyTorch and Hugging Face)."""
@@ -136,32 +141,19 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x)), tanh approximation as in GPT-2/3)."""
-
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        h, f = spec.hidden_size, spec.ffn_hidden_size
-        self.swiglu = spec.activation == "swiglu"
-        self.w1 = nn.Linear(h, f, bias=False)
-        self.w2 = nn.Linear(f, h, bias=False)
-        self.w3 = nn.Linear(h, f, bias=False) if self.swiglu else None
-
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return self.w2(F.silu(self.w1(x_BSH)) * self.w3(x_BSH))
-        return self.w2(F.gelu(self.w1(x_BSH), approximate="tanh"))
-
-
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP of global layer `layer` is
+    a `MoE` where the spec says so."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(spec, spec.hidden_size)
         self.attn = Attention(spec)
         self.mlp_norm = make_norm(spec, spec.hidden_size)
-        self.mlp = FeedForward(spec)
+        if spec.is_moe_layer(layer):
+            self.mlp = MoE(spec.hidden_size, spec.moe)
+        else:
+            self.mlp = FeedForward(spec.hidden_size, spec.ffn_hidden_size, swiglu=spec.activation == "swiglu")
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH))
@@ -221,7 +213,7 @@ class StageModel(nn.Module):
         learned = is_first and spec.position_embedding == "learned"
         self.pos_embed = PositionEmbedding(spec.seq_length, spec.hidden_size) if learned else None
         # A ModuleDict keyed by the global index keeps `layers.{i}` names identical under any split.
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(first_layer, last_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(first_layer, last_layer)})
         self.norm = make_norm(spec, spec.hidden_size) if is_last else None
         self.head = OutputHead(spec.hidden_size, spec.vocab_size) if is_last else None
         if spec.tie_embeddings and is_first and is_last:

@@ -56,7 +56,9 @@ from torch.utils.checkpoint import checkpoint
 from heteroflow.layout import RECOMPUTE, ModelShape, ParallelLayout
 from heteroflow.layout.shards import heads_per_rank, kv_heads_per_rank, replicates_kv_heads
 from heteroflow.models.context_parallel import apply_context_parallel
-from heteroflow.models.llama import Attention, AttentionCore, Block, FeedForward, StageModel
+from heteroflow.models.ffn import FeedForward
+from heteroflow.models.llama import Attention, AttentionCore, Block, StageModel
+from heteroflow.models.moe import MoE
 from heteroflow.models.shard import ParamShard, even_split, set_shard, shard_of
 from heteroflow.models.tp_ops import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 from heteroflow.models.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
@@ -92,8 +94,13 @@ def _apply_tensor_parallel(model: StageModel, group: ProcessGroup, *, sp: bool) 
     spec = model.spec
     for block in model.layers.values():
         _shard_attention(block.attn, spec, tp, rank)
-        _shard_mlp(block.mlp, tp, rank)
-        for module in (block.attn, block.mlp):
+        tp_regions: list[nn.Module] = [block.attn]
+        if isinstance(block.mlp, MoE):
+            tp_regions += _shard_moe(block.mlp, group, tp, rank)
+        else:
+            _shard_mlp(block.mlp, tp, rank)
+            tp_regions.append(block.mlp)
+        for module in tp_regions:
             module.register_forward_pre_hook(_enter_hook(group, sp))
             module.register_forward_hook(_leave_hook(group, sp))
         if sp:  # norms see only this rank's tokens
@@ -137,6 +144,30 @@ def _shard_mlp(mlp: FeedForward, tp: int, rank: int) -> None:
         if column_parallel is not None:
             _shard_linear(column_parallel, 0, rank * rows, rows)
     _shard_linear(mlp.w2, 1, rank * rows, rows)
+
+
+def _shard_moe(moe: MoE, group: ProcessGroup, tp: int, rank: int) -> list[nn.Module]:
+    """Split every expert (and the shared expert) like the dense MLP; returns the shared expert, whose tp
+    region is the usual one. The router and the shared expert's gate stay whole and outside the tp regions:
+    they see the replicated input, and the routing weights enter the experts' region through `copy_to_tp`
+    (its backward sums their partial gradients over tp), so their gradients are full on every tp rank and
+    need no `partial_grad` mark. The same holds for the load-balancing loss, computed outside the region."""
+    for expert in moe.experts.values():
+        _shard_mlp(expert, tp, rank)
+    moe.experts.register_forward_pre_hook(_enter_experts_hook(group))
+    moe.experts.register_forward_hook(_leave_hook(group, sp=False))
+    if moe.shared_expert is None:
+        return []
+    _shard_mlp(moe.shared_expert, tp, rank)
+    return [moe.shared_expert]
+
+
+def _enter_experts_hook(group: ProcessGroup):
+    """Before the routed experts: the tokens and their routing weights, each summing its gradient over tp."""
+    def hook(module, args):
+        x_TH, weights_TK, indices_TK = args
+        return copy_to_tp(x_TH, group), copy_to_tp(weights_TK, group), indices_TK
+    return hook
 
 
 class KVHeadSlice(nn.Module):

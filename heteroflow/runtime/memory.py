@@ -52,8 +52,9 @@ class SavedActivationMeter:
     def exclude_parameters(self, model: nn.Module) -> None:
         """Count `model`'s parameter storages as parameters, never as activations (autograd saves views of them)."""
         for p in model.parameters():
-            if p.numel():
-                self._refs.setdefault(p.untyped_storage().data_ptr(), [1 << 60, 0])  # pinned: never reaches zero
+            local = p.to_local() if hasattr(p, "to_local") else p  # ZeRO-3 (FSDP2) parameters are DTensors
+            if local.numel():
+                self._refs.setdefault(local.untyped_storage().data_ptr(), [1 << 60, 0])  # pinned: never reaches zero
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes held now."""

@@ -85,6 +85,8 @@ class StepRecord:
     """The loss scale this step's loss was multiplied by (runs with loss scaling only)."""
     skipped: bool | None = None
     """Whether the step was skipped for an inf or nan gradient (runs with loss scaling only)."""
+    aux_loss: float | None = None
+    """MoE models: the load-balancing loss, mean over MoE layers, before its coefficient (not in `loss`)."""
     stages: list[dict] | None = None
     """Per stage, measured and predicted seconds of this step by part (`runtime.stage_times`)."""
     memory: dict | None = None

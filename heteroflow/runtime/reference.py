@@ -19,6 +19,7 @@ def train_reference(job: JobConfig, *, steps: int, data_dir: str, micro_batch_si
     from heteroflow.data.builtin import open_train_data
     from heteroflow.models.init import init_weights
     from heteroflow.models.llama import build_stage_model
+    from heteroflow.models.moe import set_aux_loss_scale
 
     train, spec = job.train, job.model
     model = build_stage_model(spec, first_layer=0, last_layer=spec.num_layers, is_first=True, is_last=True)
@@ -35,6 +36,7 @@ def train_reference(job: JobConfig, *, steps: int, data_dir: str, micro_batch_si
     order = data.order
     mbs = micro_batch_size or train.micro_batch_size
     global_tokens = train.global_batch_size * spec.seq_length
+    set_aux_loss_scale(model, step_tokens=global_tokens)  # as the runtime weighs each micro-batch's aux loss
     losses = []
     for step in range(steps):
         indices = order.global_batch(step)

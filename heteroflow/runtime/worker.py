@@ -127,6 +127,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     from heteroflow.data.builtin import open_train_data
     from heteroflow.data.tokens import micro_batch_indices
     from heteroflow.devices.timing import PartTimer
+    from heteroflow.models.moe import set_aux_loss_scale, take_aux_losses
     from heteroflow.models.tp_ops import timing_collectives
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
@@ -143,6 +144,9 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     global_tokens = train.global_batch_size * job.model.seq_length
     counts_loss = rt.is_last and info.tp == 0  # every cp rank's loss is that of its own tokens
     cp = rt.stage.layout.cp
+    # Every tp rank computes the same routing; one copy of each layer's aux loss per dp rank counts.
+    counts_aux = info.tp == 0
+    moe_layers_total = sum(job.model.is_moe_layer(i) for i in range(job.model.num_layers))
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
     writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
@@ -171,6 +175,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                 micro_batches.append(MicroBatch(split_sequence(tokens, cp=cp, cp_rank=info.cp),
                                                 split_sequence(labels, cp=cp, cp_rank=info.cp)))
             scale = scaler.scale if scaler is not None else 1.0
+            set_aux_loss_scale(rt.model, step_tokens=global_tokens, grad_scale=scale)
             with timing_collectives(tp_group, timer):
                 loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale,
                                              timer=timer)
@@ -187,11 +192,15 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             # cp ranks hold the same gradients after the cp sum: one of them counts them.
             if info.cp != 0:
                 norm_share = norm_share * 0  # keeps a nan or inf of this rank visible to all
-            totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(())])
+            aux_share = take_aux_losses(rt.model)
+            totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(()),
+                                  aux_share if counts_aux else torch.zeros(())])
             with timer.part("sync"):
                 dist.all_reduce(totals, group=groups.world)
             grad_norm = math.sqrt(float(totals[0])) / scale  # of the unscaled gradients
             loss = float(totals[1]) / global_tokens
+            # Mean over MoE layers of each layer's token-weighted aux loss (unscaled by the coefficient).
+            aux_loss = float(totals[2]) / moe_layers_total if moe_layers_total else None
             skipped = not math.isfinite(grad_norm)
             if not math.isfinite(loss) or (skipped and scaler is None):
                 raise TrainingDiverged(_divergence_message(step, first_step, loss=loss, grad_norm=grad_norm))
@@ -215,7 +224,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             memory_measured = gather_measured(measured_memory(rt.optimizer, rt.meter, device), groups.world)
             if rank == 0:
                 assert measured is not None
-                record = StepRecord(step=step, loss=loss, tokens_per_s=global_tokens / step_time,
+                record = StepRecord(step=step, loss=loss, aux_loss=aux_loss,
+                                    tokens_per_s=global_tokens / step_time,
                                     step_time_s=step_time, lr=lr, grad_norm=grad_norm,
                                     predicted_step_time_s=args.predicted_step_time_s,
                                     loss_scale=scale if scaler is not None else None,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from heteroflow.config.model import ModelSpec
-from heteroflow.layout.shards import kv_heads_per_rank, mlp_matrices
+from heteroflow.layout.shards import active_ffn_width, kv_heads_per_rank, mlp_matrices
 from heteroflow.stagemap.hardware import DeviceModel
 
 ATTENTION_BACKWARD_FACTOR = 2.5
@@ -47,7 +47,7 @@ def elementwise_elements(model: ModelSpec, *, tp: int, sp: bool) -> tuple[float,
     h_e = model.hidden_size / tp if sp else model.hidden_size
     d = model.kv_channels
     q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
-    f = model.ffn_hidden_size / tp
+    f = active_ffn_width(model) / tp
     elements = (2 * NORM_PASSES[model.normalization] + 2 * 3) * h_e + 2 * q
     if model.qk_norm:
         elements += NORM_PASSES["rmsnorm"] * (q + kv)
@@ -63,7 +63,8 @@ def model_flops_per_sample(model: ModelSpec) -> float:
     """Training FLOPs of one sample (forward + backward = 3 x forward, no recompute), for MFU."""
     h, d, s = model.hidden_size, model.kv_channels, model.seq_length
     a, k = model.num_attention_heads, model.num_kv_heads
-    per_token = 2 * (2 * a * d + 2 * k * d) * h + 2 * s * a * d + 2 * mlp_matrices(model) * h * model.ffn_hidden_size
+    per_token = (2 * (2 * a * d + 2 * k * d) * h + 2 * s * a * d
+                 + 2 * mlp_matrices(model) * h * active_ffn_width(model))
     forward = s * (model.num_layers * per_token + 2 * h * model.vocab_size)
     return 3.0 * forward
 
@@ -92,7 +93,7 @@ def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int,
     h, d, s = model.hidden_size, model.kv_channels, model.seq_length
     q_dim = model.num_attention_heads // tp * d
     kv_dim = kv_heads_per_rank(model, tp) * d
-    f_loc = model.ffn_hidden_size / tp
+    f_loc = active_ffn_width(model) / tp
     up = 2 if model.activation == "swiglu" else 1
     gemm = (dev.gemm_s(tokens, q_dim + 2 * kv_dim, h, dtype_bytes) + dev.gemm_s(tokens, h, q_dim, dtype_bytes)
             + dev.gemm_s(tokens, up * f_loc, h, dtype_bytes) + dev.gemm_s(tokens, h, f_loc, dtype_bytes))

@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 from heteroflow.config.model import ModelSpec
 from heteroflow.layout import ParallelLayout, in_flight
-from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
-                                      layer_params_per_rank)
+from heteroflow.layout.shards import (active_ffn_width, embedding_params_per_rank, head_params_per_rank,
+                                      kv_heads_per_rank, layer_params_per_rank)
 from heteroflow.layout.state import optimizer_shards, state_bytes
 
 GIB = float(1 << 30)
@@ -146,7 +146,7 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
     if recompute == "full":
         return tokens * h_e * dtype_bytes
     q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
-    f_loc = model.ffn_hidden_size / tp
+    f_loc = active_ffn_width(model) / tp
     swiglu = model.activation == "swiglu"
     mlp = (4 if swiglu else 2) * f_loc
     rope = 2 * model.seq_length * d * dtype_bytes if model.position_embedding == "rope" else 0.0

@@ -11,8 +11,9 @@ import torch
 from heteroflow.config import parse_job
 from heteroflow.runtime.metrics import read_step_records
 from heteroflow.runtime.reference import train_reference
-from heteroflow.runtime.worker import WorkerArgs, run_worker
+from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.testing import run_ranks
+from heteroflow.testing.training import assemble_weights, train_rank
 
 STEPS, STOP_AT = 5, 3
 CLUSTER = {"nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 2},
@@ -29,23 +30,13 @@ THREE_STAGES = {"micro_batch_size": 4, "stages": [  # 5 ranks: Hygon dp 2 ZeRO-1
     {"devices": ["gpu-0"], "layers": 1, "tp": 2, "dp": 1, "sp": True}]}
 
 
-def _train_rank(rank: int, world_size: int, args: WorkerArgs):
-    return run_worker(args)
-
 
 def _run(job_data: dict, plan: dict, *, steps: int, resume: bool, data_dir: str, metrics: str):
     job = parse_job({**job_data, "plan": plan})
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=data_dir, metrics_path=metrics,
                       return_state=True, show_progress=False, timeout_s=120, resume=resume)
-    return run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)
+    return run_ranks(train_rank, job.plan.num_devices, args, timeout_s=300)
 
-
-def _assemble(results) -> dict[str, torch.Tensor]:
-    full: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, (local, shard) in result.state.items():
-            shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
-    return full
 
 
 @pytest.mark.slow
@@ -72,7 +63,7 @@ def test_resume_under_another_plan_continues_the_uninterrupted_losses(tmp_path, 
     records = read_step_records(metrics)
     assert [r["step"] for r in records] == list(range(STEPS))  # resumed steps carry their true numbers
     assert [r["loss"] for r in records] == losses
-    weights = _assemble(resumed)
+    weights = assemble_weights(resumed)
     if tie and "head.weight" in weights:
         torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
     assert weights.keys() == ref_weights.keys()

@@ -38,13 +38,13 @@ def test_train_runs_a_cp2_stage_next_to_a_cp1_stage(tmp_path, env, write_yaml):
     assert all(r["predicted_step_time_s"] > 0 and r["loss"] > 0 for r in records)
 
 
-def test_train_refuses_cp_with_offloaded_params(env, write_yaml):
+def test_train_refuses_cp_with_zero3_before_any_worker_starts(env, write_yaml):
     job = write_yaml("""
-        cluster: {nodes: [{name: a, device: cpu, count: 2}]}
+        cluster: {nodes: [{name: a, device: cpu, count: 4}]}
         model: {preset: micro-llama}
         train: {global_batch_size: 4}
-        plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, cp: 2, offload: {params: cpu}}]}
+        plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, cp: 2, dp: 2, zero: 3}]}
         """)
     result = heteroflow("train", str(job), "--emulate", env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "plan.stages[0]: cp 2 with offload params: cpu is not run yet" in result.stderr
+    assert "plan.stages[0]: cp 2 with zero: 3 is not run yet" in result.stderr

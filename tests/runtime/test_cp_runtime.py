@@ -9,8 +9,9 @@ import torch
 
 from heteroflow.config import parse_job
 from heteroflow.runtime.reference import train_reference
-from heteroflow.runtime.worker import WorkerArgs, run_worker
+from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.testing import run_ranks
+from heteroflow.testing.training import assemble_weights, train_rank
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 4},
@@ -32,26 +33,19 @@ PLANS = {
     # optimizer state in CPU memory: the gradients are summed over cp before the tier takes them
     "cp2-offload-optimizer": {"micro_batch_size": 4, "stages": [
         {"devices": ["npu-0"], "layers": 4, "cp": 2, "offload": {"optimizer": "cpu"}}]},
+    # parameters in CPU memory too: offloaded blocks' gradients are summed over cp in the optimizer tier
+    "cp2-offload-params": {"micro_batch_size": 4, "stages": [
+        {"devices": ["npu-0"], "layers": 4, "cp": 2, "offload": {"optimizer": "cpu", "params": "cpu"}}]},
 }
 
 
-def _train_rank(rank: int, world_size: int, args: WorkerArgs):
-    return run_worker(args)
-
-
-def _assemble(results) -> dict[str, torch.Tensor]:
-    full: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, (local, shard) in result.state.items():
-            shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
-    return full
 
 
 def _run(job_data: dict, plan: dict, *, steps: int, data_dir: str, resume: bool = False):
     job = parse_job({**job_data, "plan": plan})
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=data_dir, return_state=True,
                       show_progress=False, timeout_s=120, resume=resume)
-    return run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)
+    return run_ranks(train_rank, job.plan.num_devices, args, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +64,8 @@ def _reference(job_data: dict, tie: bool, data_dir: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,tie", [("cp2-tp2", False), ("cp2-tp2-sp", False), ("cp2-to-cp1", True),
-                                      ("tp2-to-cp2", False), ("cp2-offload-optimizer", False)])
+                                      ("tp2-to-cp2", False), ("cp2-offload-optimizer", False),
+                                      ("cp2-offload-params", False)])
 def test_context_parallel_plan_matches_single_process(data_dir, name, tie):
     job_data = {"cluster": CLUSTER, "model": {"preset": "micro-llama", "tie_embeddings": tie}, "train": TRAIN}
     ref_losses, ref_weights = _reference(job_data, tie, data_dir)
@@ -79,7 +74,7 @@ def test_context_parallel_plan_matches_single_process(data_dir, name, tie):
     assert len(losses) == STEPS and losses[-1] < losses[0]
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         assert got == pytest.approx(want, rel=1e-5), f"step {step}"
-    weights = _assemble(results)
+    weights = assemble_weights(results)
     if tie:
         torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
     assert weights.keys() == ref_weights.keys()

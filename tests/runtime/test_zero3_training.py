@@ -8,8 +8,9 @@ import torch
 
 from heteroflow.config import parse_job
 from heteroflow.runtime.reference import train_reference
-from heteroflow.runtime.worker import WorkerArgs, run_worker
+from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.testing import run_ranks
+from heteroflow.testing.training import assemble_weights, train_rank
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 2},
@@ -29,23 +30,13 @@ MIXED = {"schedule": "gpipe", "micro_batch_size": 4, "stages": [  # tied between
     {"devices": ["npu-0"], "layers": 2, "tp": 1, "dp": 2, "zero": 3, "recompute": "selective"}]}
 
 
-def _train_rank(rank: int, world_size: int, args: WorkerArgs):
-    return run_worker(args)
-
-
-def _assemble(results) -> dict[str, torch.Tensor]:
-    full: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, (local, shard) in result.state.items():
-            shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
-    return full
 
 
 def _run(job_data: dict, plan: dict, *, steps: int, data_dir: str, resume: bool = False):
     job = parse_job({**job_data, "plan": plan})
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=data_dir, return_state=True,
                       show_progress=False, timeout_s=120, resume=resume)
-    return run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)
+    return run_ranks(train_rank, job.plan.num_devices, args, timeout_s=300)
 
 
 @pytest.mark.slow
@@ -59,7 +50,7 @@ def test_zero3_plan_matches_single_process(tmp_path, plan, tie):
     assert len(losses) == STEPS and losses[-1] < losses[0]
     for got, want in zip(losses, ref_losses):
         assert got == pytest.approx(want, rel=1e-5)
-    weights = _assemble(results)
+    weights = assemble_weights(results)
     if "head.weight" in weights and "head.weight" not in ref_weights:
         torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
     assert weights.keys() == ref_weights.keys()
@@ -87,7 +78,7 @@ def test_zero3_checkpoints_resume_across_zero_stages(tmp_path, plan_a, plan_b):
     losses = list(first[0].losses) + list(resumed[0].losses)
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         assert got == pytest.approx(want, rel=1e-5), f"step {step}"
-    weights = _assemble(resumed)
+    weights = assemble_weights(resumed)
     if "head.weight" in weights:
         torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
     for name, want in ref_weights.items():
@@ -113,7 +104,7 @@ def test_zero3_in_16_bit_follows_zero1(tmp_path, precision):
         metrics = tmp_path / f"zero{zero}.jsonl"
         args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=4, data_dir=str(tmp_path / "data"),
                           metrics_path=str(metrics), show_progress=False, timeout_s=120)
-        run_ranks(_train_rank, job.plan.num_devices, args, timeout_s=300)
+        run_ranks(train_rank, job.plan.num_devices, args, timeout_s=300)
         records[zero] = read_step_records(metrics)
     for zero1, zero3 in zip(records[1], records[3]):
         assert zero3.get("skipped") == zero1.get("skipped") and zero3.get("loss_scale") == zero1.get("loss_scale")

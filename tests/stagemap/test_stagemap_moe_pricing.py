@@ -1,0 +1,50 @@
+"""Until MoE pricing lands, the planner prices a MoE block's compute at its active experts and its memory at
+all of them, through the per-rank counts in layout/shards.py that the runtime uses too."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from heteroflow.config import PRESETS
+from heteroflow.config.catalog import CATALOG
+from heteroflow.config.moe import MoESpec
+from heteroflow.layout.shards import active_ffn_width, layer_params_per_rank
+from heteroflow.models.llama import build_stage_model
+from heteroflow.stagemap.compute import layer_forward, model_flops_per_sample
+from heteroflow.stagemap.hardware import device_model
+from heteroflow.stagemap.memory import activation_bytes
+
+A100 = device_model(CATALOG["nvidia-a100-80g"], "bf16")
+DENSE = replace(PRESETS["micro-llama"], num_layers=1)
+MOE = MoESpec(num_experts=8, top_k=2, ffn_hidden_size=96, shared_expert_ffn_hidden_size=64, shared_expert_gate=True)
+SPARSE = replace(DENSE, moe=MOE)
+
+
+def test_memory_counts_every_expert_as_the_model_holds_them():
+    model = build_stage_model(SPARSE, first_layer=0, last_layer=1, is_first=False, is_last=False)
+    assert layer_params_per_rank(SPARSE, 1) == sum(p.numel() for p in model.parameters())
+    h = SPARSE.hidden_size
+    assert layer_params_per_rank(SPARSE, 2) - layer_params_per_rank(DENSE, 2) == pytest.approx(
+        3 * h * (8 * 96 + 64) / 2 + 8 * h + h - 3 * h * DENSE.ffn_hidden_size / 2)
+
+
+def test_compute_and_activations_follow_the_active_experts():
+    active = replace(DENSE, ffn_hidden_size=2 * 96 + 64)  # a dense block as wide as what one token uses
+    assert active_ffn_width(SPARSE) == 256
+    for tp in (1, 2):
+        assert layer_forward(SPARSE, A100, tokens=512, tp=tp, sp=False, dtype_bytes=2) == \
+            layer_forward(active, A100, tokens=512, tp=tp, sp=False, dtype_bytes=2)
+        assert activation_bytes(SPARSE, tokens=512, tp=tp, sp=False, recompute="none", dtype_bytes=2) == \
+            activation_bytes(active, tokens=512, tp=tp, sp=False, recompute="none", dtype_bytes=2)
+    assert model_flops_per_sample(SPARSE) == model_flops_per_sample(active)
+
+
+def test_dense_first_layers_price_the_costlier_kind():
+    narrow = replace(SPARSE, ffn_hidden_size=1000, moe=replace(MOE, first_dense_layers=1))
+    assert active_ffn_width(narrow) == 1000
+    # 3 * h * 1000 dense weights outnumber the 3 * h * (8 * 96 + 64) + 9 * h of the MoE block here.
+    assert layer_params_per_rank(narrow, 1) == layer_params_per_rank(replace(narrow, moe=None), 1)
+    wide = replace(narrow, ffn_hidden_size=100)
+    assert layer_params_per_rank(wide, 1) == layer_params_per_rank(SPARSE, 1)
