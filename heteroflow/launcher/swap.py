@@ -39,7 +39,8 @@ def swap_bytes(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> in
         numel = _rank_numel(job, model.named_parameters(), stage.layout.tp)
         per_rank = 0
         if off.optimizer == "ssd":  # fp32 master + 2 moments per chunk, each chunk file aligned
-            per_rank += 12 * numel + 8192 * (numel // chunk + last - first + 2)
+            held = -(-numel // stage.layout.dp) if stage.layout.zero else numel  # ZeRO-Offload: 1/dp per rank
+            per_rank += 12 * held + 8192 * (held // chunk + last - first + 2)
         if off.params == "ssd":  # each block's parameters (this rank's tp shards), aligned
             block_numel = _rank_numel(job, model.layers.named_parameters(), stage.layout.tp)
             per_rank += block_numel * next(model.layers.parameters()).element_size() + 8192 * (last - first)

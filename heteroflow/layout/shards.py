@@ -90,3 +90,15 @@ def counted_once(*, split_over_tp: bool, tp_rank: int, dp_rank: int = 0, split_o
     """
     return (not tied_head_copy and (split_over_tp or tp_rank == 0)
             and (split_over_dp or dp_rank == 0))
+
+
+def zero_flat_range(numel: int, *, dp: int, dp_rank: int, zero: int) -> tuple[int, int, int]:
+    """`(lo, hi, padded)`: the stage's flat parameter buffer (`numel` elements in parameter order) padded to a
+    multiple of dp, and the part `[lo, hi)` of it whose fp32 master weights and Adam moments this dp rank keeps:
+    its 1/dp under ZeRO 1 and 2, all of it without ZeRO. The on-device and the offloaded optimizer both cut
+    their state with it, so a plan keeps the same values on each rank with and without offload."""
+    padded = -(-numel // dp) * dp
+    if not zero:
+        return 0, padded, padded
+    shard_len = padded // dp
+    return dp_rank * shard_len, (dp_rank + 1) * shard_len, padded

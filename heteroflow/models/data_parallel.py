@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from heteroflow.layout.shards import counted_once
+from heteroflow.layout.shards import counted_once, zero_flat_range
 from heteroflow.layout.state import state_bytes
 from heteroflow.models.shard import shard_of
 from heteroflow.models.tp_ops import _ALL_GATHER, _REDUCE_SCATTER
@@ -131,10 +131,8 @@ class DataParallelAdamW:
             self.segments.append(_Segment(param, offset, param.numel(), param.dim() >= 2, counted))
             offset += param.numel()
         self.numel = offset
-        self.padded = -(-offset // self.dp) * self.dp
         # With ZeRO this rank owns [lo, hi) of the flat buffers; without, all of them.
-        shard_len = self.padded // self.dp
-        self.lo, self.hi = (self.dp_rank * shard_len, (self.dp_rank + 1) * shard_len) if zero else (0, self.padded)
+        self.lo, self.hi, self.padded = zero_flat_range(offset, dp=self.dp, dp_rank=self.dp_rank, zero=zero)
         dtype = self.segments[0].param.dtype if self.segments else torch.float32
         device = self.segments[0].param.device if self.segments else None
         self.state = state_bytes(PRECISION_OF_DTYPE[dtype])

@@ -72,12 +72,15 @@ class StreamedAdamW:
     `param_store` has one (parameters offloaded by `OffloadedParams`), else to those tensors in place.
     `decays(tensor)` says which parameters weight decay applies to (None: all, like one torch param group);
     the runtime passes "matrices only", as Megatron-LM and its reference do.
+    `owned` (ZeRO 1/2 over dp): group name -> the range `[a, b)` of the group's flat parameters whose state this
+    rank keeps and updates (absent: all of it); gradients are still accumulated for the whole group.
     """
 
     def __init__(self, params: Mapping[str, Sequence[torch.Tensor]], *, store: TieredStore, tier: str,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  chunk_numel: int = DEFAULT_CHUNK_NUMEL, param_store: TieredStore | None = None,
-                 impl: str | None = None, decays: Callable[[torch.Tensor], bool] | None = None) -> None:
+                 impl: str | None = None, decays: Callable[[torch.Tensor], bool] | None = None,
+                 owned: Mapping[str, tuple[int, int]] | None = None) -> None:
         assert tier in ("device", "cpu", "ssd"), tier
         assert chunk_numel % 4096 == 0, "chunks must stay I/O-aligned in the parameter tier"
         self.store, self.tier, self.param_store = store, tier, param_store
@@ -94,8 +97,9 @@ class StreamedAdamW:
         self._fresh: dict[str, bool] = {}  # no gradient added since the last step
         for g, tensors in self.groups.items():
             flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-            for index, start in enumerate(range(0, flat.numel(), chunk_numel)):
-                piece = _Piece(g, index, start, min(chunk_numel, flat.numel() - start))
+            first, end = (owned or {}).get(g, (0, flat.numel()))
+            for index, start in enumerate(range(first, end, chunk_numel)):
+                piece = _Piece(g, index, start, min(chunk_numel, end - start))
                 master = flat[start:start + piece.numel]
                 zeros = torch.zeros(piece.numel, dtype=torch.float32)
                 store.add(piece.name, [master, zeros, zeros], tier, dtype=torch.float32, kind="optimizer")
@@ -253,9 +257,12 @@ class StreamedAdamW:
     # ---- state ---------------------------------------------------------------------------------
 
     def state_of(self, group: str) -> dict[str, list[torch.Tensor]]:
-        """Host copies of `group`'s fp32 master weights and moments, shaped like its params (checkpoints)."""
+        """Host copies of `group`'s fp32 master weights and moments, shaped like its params (a group whose state
+        this rank keeps whole)."""
         parts: dict[str, list[torch.Tensor]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
-        for piece in (p for p in self._pieces if p.group == group):
+        pieces = [p for p in self._pieces if p.group == group]
+        assert sum(p.numel for p in pieces) == self._offsets[group][-1][1], f"{group}: only part of it is kept here"
+        for piece in pieces:
             state = self.store.get(piece.name) if self.tier == "device" else self.store.host(piece.name)
             for key, values in zip(parts, state.view(3, piece.numel).unbind(0)):
                 parts[key].append(values.to("cpu", copy=True))

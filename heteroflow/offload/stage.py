@@ -13,7 +13,8 @@
     offload.close()                                        # also on failure: use it as a context manager
 
 `decays(param)` picks the parameters weight decay applies to (default: all). `swap_label` names the rank in
-its swap directory's name (the runtime passes its stage, dp, cp and tp indices).
+its swap directory's name (the runtime passes its stage, dp, cp and tp indices). `owned` (ZeRO 1/2): the part
+of each group whose optimizer state this rank keeps (`StreamedAdamW`).
 
 Groups: block i is `block{i}` (parameters in `block.parameters()` order), then each `other_params`
 group in the order given. Use the same order for a reference optimizer to compare bit for bit.
@@ -46,7 +47,7 @@ class StageOffload:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  checkpoint_dirs: Iterable[str] = (), adam_impl: str | None = None,
                  budget: DeviceBudget | None = None, decays: Callable[[torch.Tensor], bool] | None = None,
-                 swap_label: str = "") -> None:
+                 swap_label: str = "", owned: Mapping[str, tuple[int, int]] | None = None) -> None:
         self.policy, self.device = policy, device
         self.budget = budget if budget is not None else DeviceBudget(policy.device_budget_bytes)
         self.blocks = list(blocks)
@@ -66,7 +67,7 @@ class StageOffload:
             if policy.uses_ssd:
                 assert policy.swap_root is not None
                 self.swap = SwapDir(policy.swap_root, checkpoint_dirs=checkpoint_dirs, label=swap_label)
-                self.swap.check_free(self._swap_bytes(groups))  # before anything is written
+                self.swap.check_free(self._swap_bytes(groups, owned or {}))  # before anything is written
             # Separate staging pools: parameter fetches and optimizer chunks differ in size and rhythm.
             self.param_store = TieredStore(device=device, budget=self.budget, swap=self.swap,
                                            max_in_flight=policy.max_in_flight)
@@ -77,7 +78,8 @@ class StageOffload:
             self._charged = resident_bytes
             self.optimizer = StreamedAdamW(groups, store=self.opt_store, tier=policy.optimizer, betas=betas, eps=eps,
                                            weight_decay=weight_decay, chunk_numel=policy.chunk_numel,
-                                           param_store=self.param_store, impl=adam_impl, decays=decays)
+                                           param_store=self.param_store, impl=adam_impl, decays=decays,
+                                           owned=owned)
             # A resident parameter's gradient leaves for the optimizer tier (fp32) as soon as autograd has it:
             # the device holds one parameter's `.grad` at a time, never the stage's.
             self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, group, j))
@@ -90,13 +92,14 @@ class StageOffload:
             self.close()
             raise
 
-    def _swap_bytes(self, groups: Mapping[str, Sequence[nn.Parameter]]) -> int:
-        """Upper bound of the swap files this policy writes."""
+    def _swap_bytes(self, groups: Mapping[str, Sequence[nn.Parameter]], owned: Mapping[str, tuple[int, int]]) -> int:
+        """Upper bound of the swap files this policy writes (optimizer state: the `owned` part of each group)."""
         total = 0
         for name, ps in groups.items():
             numel = sum(p.numel() for p in ps)
             if self.policy.optimizer == "ssd":
-                total += 12 * numel + 3 * 8192 * (numel // self.policy.chunk_numel + 1)
+                held = owned[name][1] - owned[name][0] if name in owned else numel
+                total += 12 * held + 3 * 8192 * (held // self.policy.chunk_numel + 1)
             if self.policy.params == "ssd" and name in self.block_names:
                 total += sum(p.numel() * p.element_size() for p in ps) + 8192
         return total

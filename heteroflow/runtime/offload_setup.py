@@ -37,7 +37,7 @@ def offloaded_optimizer(model: StageModel, *, job: JobConfig, stage: StageSpec, 
     return OffloadedAdamW(model, policy=stage_policy(job, stage), device=device, dp_group=groups.dp,
                           tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           weight_decay=t.weight_decay, checkpoint_dirs=checkpoint_dirs(job),
-                          swap_label=swap_label(groups))
+                          swap_label=swap_label(groups), zero=stage.layout.zero)
 
 
 def swap_label(groups: ProcessGroups) -> str:

@@ -23,6 +23,9 @@ Overlap assumptions:
   1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
   pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
   global norm, so the stages synchronize there).
+- ZeRO 1/2 with the optimizer offloaded (ZeRO-Offload): every gradient goes to the host, is reduce-scattered
+  there over dp (after the backward, also under ZeRO 2), the host Adam updates 1/dp of the state and 1/dp of
+  the updated weights go back up before the all-gather.
 - Offload bandwidths: the device's host link for CPU; for SSD the node's NVMe read/write bandwidth shared
   by the node's devices (and never more than the host link); CPU Adam streams 28 bytes per parameter at
   the node's host memory bandwidth shared by its devices; the on-device AdamW streams what heteroflow's
@@ -385,6 +388,9 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
         elif layout.zero == 2:  # the reduce-scatter is overlapped with the backward
             opt_per_param += ring * wb
             opt_const += (dp - 1) * dp_lat
+            if layout.offload.optimizer != "device":  # ZeRO-Offload: of the host gradients, after the backward
+                dp_per_param += ring * gb
+                dp_const += (dp - 1) * dp_lat
     shard = 1.0 / (layout.replicas if layout.zero >= 3 else dp) if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":
@@ -393,8 +399,8 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
         return dp_const, dp_per_param, opt_const, opt_per_param
     host_adam = ADAM_BYTES_PER_PARAM / (dev.host_memory_gb_per_s / hw.node_count * 1e9)
     opt_per_param += shard * host_adam
-    if off.params == "device":  # gradients down, updated weights up
-        opt_per_param += shard * (gb + wb) / (dev.host_link_gb_per_s * 1e9)
+    if off.params == "device":  # every gradient down (reduced over dp on the host), this rank's updated weights up
+        opt_per_param += (gb + shard * wb) / (dev.host_link_gb_per_s * 1e9)
     if off.optimizer == "ssd":
         read_bw, write_bw = _tier_bandwidth(dev, hw, "ssd")
         opt_per_param += shard * ob * (1 / (read_bw * 1e9) + 1 / (write_bw * 1e9))

@@ -12,8 +12,9 @@ gathered in the stage's precision, a window of two units (the running block and 
 embedding or head when larger), and while a unit's gradients are reduce-scattered, those gradients plus
 their fp32 copy in the reduce-scatter buffer.
 ZeRO 2 keeps the whole gradient buffer, as ZeRO 1 (it accumulates the micro-batches before the dp
-reduce-scatter). Offloading the optimizer removes its state and the
-gradient buffer from the device (each gradient leaves for the host as autograd produces it); offloading
+reduce-scatter). Offloading the optimizer moves its state, still divided by dp under ZeRO 1/2
+(ZeRO-Offload), to the offload tier (`offloaded_optimizer_bytes`), and removes the gradient buffer from the
+device (each gradient leaves for the host as autograd produces it); offloading
 parameters leaves a window of two layers of weights (each tp rank's shards: one in use, one prefetched) and
 one layer's `.grad`, plus the embedding, final norm and head, which the runtime keeps on the device.
 
@@ -223,7 +224,7 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
                              tied * k)
         else:
             weights = state(parts.wb, 1)
-    optimizer = _ZERO if off.optimizer != "device" else state(parts.ob, optimizer_shards(zero, dp))
+    optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
     if _runs_zero3(layout):
         weights, gradients, optimizer = _zero3_state(parts, dp)
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
@@ -237,6 +238,18 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
 
 
 _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def optimizer_state(parts: MemoryParts, layout: ParallelLayout) -> Affine:
+    """Optimizer state bytes of one device of a stage, wherever they live: 1/dp of the stage's under ZeRO >= 1
+    (also in the offload tier: ZeRO-Offload shards it over dp like the device does)."""
+    k = parts.ob / optimizer_shards(layout.zero, layout.dp)
+    return Affine(0.0, parts.p_layer * k, 0.0, parts.p_embed * k, parts.p_head * k, parts.tied * k)
+
+
+def offloaded_optimizer_bytes(parts: MemoryParts, layout: ParallelLayout) -> Affine:
+    """Optimizer state bytes one device keeps in its offload tier (cpu or ssd); zero when it stays on the device."""
+    return optimizer_state(parts, layout) if layout.offload.optimizer != "device" else _ZERO
 
 
 def _runs_zero3(layout: ParallelLayout) -> bool:

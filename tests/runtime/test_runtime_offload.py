@@ -254,11 +254,12 @@ def _job(stages: list[dict], train: dict | None = None, tmp_path: Path | None = 
                       "plan": {"micro_batch_size": 4, "stages": stages}}, base_dir=str(tmp_path or "."))
 
 
-def test_zero_with_offloaded_state_is_refused_naming_the_stage():
-    job = _job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1},
-                {"devices": ["a:2-3"], "layers": 2, "dp": 2, "zero": 1, "offload": {"optimizer": "ssd"}}])
-    with pytest.raises(UserError, match=r"plan\.stages\[1\]: zero 1 together with offload \{optimizer: ssd\} "
-                                        r"is not run.*use zero: 0 on this stage"):
+def test_zero_with_offloaded_params_is_refused_naming_the_stage():
+    job = _job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1, "offload": {"optimizer": "ssd"}},
+                {"devices": ["a:2-3"], "layers": 2, "dp": 2, "zero": 2,
+                 "offload": {"optimizer": "ssd", "params": "ssd"}}])
+    with pytest.raises(UserError, match=r"plan\.stages\[1\]: zero 2 together with offload \{optimizer: ssd, params: "
+                                        r"ssd\} is not run.*use zero: 0 on this stage, or keep params on the device"):
         check_offload_plan(job.plan)
 
 
@@ -268,7 +269,8 @@ def test_train_refuses_before_launch(tmp_path, monkeypatch):
 
     monkeypatch.setattr("heteroflow.launcher.train.launch", lambda *a: pytest.fail("launched a refused plan"))
     monkeypatch.setenv("HETEROFLOW_CACHE", str(tmp_path / "cache"))
-    job = _job([{"devices": ["a:0-3"], "layers": 4, "dp": 4, "zero": 2, "offload": {"optimizer": "cpu"}}])
+    job = _job([{"devices": ["a:0-3"], "layers": 4, "dp": 4, "zero": 2,
+                 "offload": {"optimizer": "cpu", "params": "cpu"}}])
     with pytest.raises(UserError, match=r"plan\.stages\[0\]: zero 2 together with offload"):
         train_job(job, TrainOptions(emulate=True, steps=1))
 
@@ -277,6 +279,9 @@ def test_activation_offload_alone_and_optimizer_or_params_offload_with_tp_are_ru
     check_offload_plan(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1,
                               "offload": {"activations": "cpu"}},
                              {"devices": ["a:2-3"], "layers": 2, "tp": 2, "offload": {"optimizer": "cpu"}}]).plan)
+    check_offload_plan(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1, "offload": {"optimizer": "cpu"}},
+                             {"devices": ["a:2-3"], "layers": 2, "dp": 2, "zero": 2,
+                              "offload": {"optimizer": "ssd", "activations": "cpu"}}]).plan)
     check_offload_plan(_job([{"devices": ["a:0-3"], "layers": 4, "tp": 2, "dp": 2,
                               "offload": {"optimizer": "ssd", "params": "ssd"}}]).plan)
 
@@ -376,6 +381,10 @@ def test_every_layout_plan_auto_searches_is_run(num_devices, node_count):
     offloads_params = {lay.tp for lay in layouts if lay.offload.params != "device"}
     assert offloads_params == ({num_devices} if num_devices <= node_count else set())
     assert any(lay.offload.optimizer != "device" for lay in layouts)
+    # ZeRO-Offload: ZeRO 1 and 2 with the optimizer state on cpu or ssd wherever a stage has dp > 1
+    zero_offload = {(lay.zero, lay.offload.optimizer) for lay in layouts
+                    if lay.zero and lay.offload.optimizer != "device"}
+    assert zero_offload == ({(z, tier) for z in (1, 2) for tier in ("cpu", "ssd")} if num_devices > 1 else set())
     refs = tuple(DeviceRef(node="n0", index=i) for i in range(num_devices))
     for lay in layouts:
         check_offload_stage(0, StageSpec(devices=("n0",), device_refs=refs, device_type="small-card", layers=1,
