@@ -51,16 +51,22 @@ class _Tokenizer:
 
 def megatron_train_split(blend: list, *, split: str, seq_length: int, seed: int, num_samples: int):
     """megatron-core's train dataset for `--data-path blend --split split`, `num_samples` requested."""
+    # megatron-core logs and warns at length; silence it for this call only, so other tests' log capture works
+    previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore", module="megatron")
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    from megatron.core.datasets.utils import get_blend_from_list
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="megatron")
+            from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+            from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+            from megatron.core.datasets.utils import get_blend_from_list
 
-    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=get_blend_from_list(blend),
-                              split=split, tokenizer=_Tokenizer(), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False)
-    weighted = config.blend[1] is not None
-    # Megatron-LM asks for valid and test samples too; with weights every split needs a size.
-    sizes = [num_samples, 1, 1] if weighted else [num_samples, None, None]
-    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()[0]
+            config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=get_blend_from_list(blend),
+                                      split=split, tokenizer=_Tokenizer(), reset_position_ids=False,
+                                      reset_attention_mask=False, eod_mask_loss=False)
+            weighted = config.blend[1] is not None
+            # Megatron-LM asks for valid and test samples too; with weights every split needs a size.
+            sizes = [num_samples, 1, 1] if weighted else [num_samples, None, None]
+            return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()[0]
+    finally:
+        logging.disable(previous)
