@@ -188,6 +188,8 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
                               activations=off_sec.string("activations", "device", choices=ACTIVATION_TIERS) or "device")
         off_sec.finish()
     precision = sec.string("precision", None, choices=PRECISIONS)
+    ep = sec.integer("ep", 1, limit=limits.PARALLEL_DEGREE)
+    etp = sec.integer("etp", None, limit=limits.PARALLEL_DEGREE)
     written_type = sec.string("device_type", None)
     sec.finish()
 
@@ -208,9 +210,9 @@ def _parse_stage(raw: object, path: str, k: int, problems: Problems, *, cluster:
                 problems.add(sec.at("device_type"), f"says {written_type!r} but its devices are {device_type!r}")
             _check_precision(cluster, device_type, precision, train, sec, problems)
     layout = None
-    if None not in (tp, dp, cp, sp, zero, recompute):
+    if None not in (tp, dp, cp, sp, zero, recompute, ep):
         layout = ParallelLayout(tp=tp, dp=dp, cp=cp, sp=sp, zero=zero, recompute=recompute, offload=offload,
-                                precision=precision)
+                                precision=precision, ep=ep, etp=etp)
         for problem in layout.validate(model, num_devices=None if refs is None else len(refs),
                                        micro_batch_size=micro_batch_size):
             problems.add(sec.at(problem.key), problem.message)

@@ -83,7 +83,8 @@ class OffloadSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelLayout:
-    """tp x cp x dp over a stage's devices (tp innermost), plus sp, ZeRO, recompute and offload."""
+    """tp x cp x dp over a stage's devices (tp innermost), plus sp, ZeRO, recompute, offload and, for
+    mixture-of-experts layers, the expert layout etp x ep x expert-dp folded over the same devices."""
 
     tp: int = 1
     """Tensor-parallel degree (Megatron-style column / row splits inside one node)."""
@@ -100,6 +101,21 @@ class ParallelLayout:
     offload: OffloadSpec = field(default_factory=OffloadSpec)
     precision: str | None = None
     """The stage's compute precision (bf16, fp16 or fp32); None: the job's `train.precision`."""
+    ep: int = 1
+    """Expert-parallel degree of the stage's MoE layers: each ep rank holds num_experts / ep experts and tokens
+    reach them by all-to-all. Folded as Megatron-core does: etp x ep x expert-dp = tp x cp x dp."""
+    etp: int | None = None
+    """Expert tensor-parallel degree (each expert's matrices split over etp ranks); None: the same as tp."""
+
+    @property
+    def expert_tp(self) -> int:
+        """The degree experts are tensor-split over: `etp`, or tp when it is not set."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (the expert layout's data-parallel degree): tp*cp*dp / (etp*ep)."""
+        return self.num_devices // (self.expert_tp * self.ep)
 
     @property
     def num_devices(self) -> int:
@@ -144,6 +160,7 @@ class ParallelLayout:
             problems.append(LayoutProblem(key, f"{'sequence' if self.sp else 'context'} parallelism is not implemented "
                                           f"for mixture-of-experts models yet; set {key}: "
                                           f"{'false' if self.sp else '1'}"))
+        problems += self._expert_problems(model)
         if micro_batch_size is not None and micro_batch_size % self.dp:
             problems.append(LayoutProblem("dp", f"dp {self.dp} does not divide micro_batch_size {micro_batch_size}; "
                                           "each dp rank takes an equal share of every micro-batch"))
@@ -161,6 +178,29 @@ class ParallelLayout:
                                               f"got {getattr(self.offload, key)!r}"))
         return problems
 
+    def _expert_problems(self, model: ModelShape) -> list[LayoutProblem]:
+        """The expert layout (ep, etp) must fold over the stage's ranks and split the experts evenly."""
+        problems = [LayoutProblem(key, f"{key} must be at least 1, got {getattr(self, key)}")
+                    for key in ("ep", "etp") if getattr(self, key) is not None and getattr(self, key) < 1]
+        if problems:
+            return problems
+        moe = model.moe
+        if moe is None:
+            return [LayoutProblem(key, f"{key} is set but the model has no experts (model.moe is null); remove it")
+                    for key in ("ep", "etp") if getattr(self, key) not in (None, 1)]
+        if moe.num_experts % self.ep:
+            problems.append(LayoutProblem("ep", f"ep {self.ep} does not divide model.moe.num_experts "
+                                          f"{moe.num_experts}; each ep rank holds an equal share of the experts"))
+        if self.num_devices % (self.expert_tp * self.ep):
+            problems.append(LayoutProblem("ep", f"etp * ep = {self.expert_tp} * {self.ep} does not divide the stage's "
+                                          f"tp * cp * dp = {self.num_devices} ranks; the expert layout folds over "
+                                          "the same ranks"))
+        if moe.ffn_hidden_size % self.expert_tp:
+            problems.append(LayoutProblem("etp" if self.etp is not None else "tp", f"expert tensor parallelism "
+                                          f"{self.expert_tp} does not divide model.moe.ffn_hidden_size "
+                                          f"{moe.ffn_hidden_size}"))
+        return problems
+
     def to_dict(self) -> dict:
         """The layout keys of a plan stage, defaults left out (tp and dp always written)."""
         out: dict = {"tp": self.tp, "dp": self.dp}
@@ -176,6 +216,10 @@ class ParallelLayout:
             out["offload"] = self.offload.to_dict()
         if self.precision is not None:
             out["precision"] = self.precision
+        if self.ep != 1:
+            out["ep"] = self.ep
+        if self.etp is not None:
+            out["etp"] = self.etp
         return out
 
     def describe(self) -> str:
@@ -193,6 +237,10 @@ class ParallelLayout:
             parts.append("off=" + ",".join(f"{k[:3]}:{v}" for k, v in self.offload.to_dict().items()))
         if self.precision is not None:
             parts.append(self.precision)
+        if self.ep != 1:
+            parts.append(f"ep{self.ep}")
+        if self.etp is not None:
+            parts.append(f"etp{self.etp}")
         return " ".join(parts)
 
 

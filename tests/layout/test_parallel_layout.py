@@ -86,3 +86,23 @@ def test_describe_and_plan_keys():
 def test_the_layout_core_imports_no_torch():
     code = "import sys, heteroflow.layout; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+MIXTRAL = PRESETS["mixtral-8x7b"]  # 8 experts, expert ffn 14336
+
+
+def test_expert_layout_folds_over_the_stage_ranks():
+    lay = ParallelLayout(tp=2, dp=4, ep=4, etp=1)
+    assert lay.validate(MIXTRAL, num_devices=8, micro_batch_size=4) == []
+    assert (lay.expert_tp, lay.expert_dp) == (1, 2)  # 8 ranks = etp 1 x ep 4 x expert-dp 2
+    assert ParallelLayout(tp=2, dp=2, ep=2).expert_dp == 1  # etp defaults to tp
+    assert lay.to_dict() == {"tp": 2, "dp": 4, "ep": 4, "etp": 1} and "ep4 etp1" in lay.describe()
+
+
+def test_expert_layout_rules_name_their_key():
+    assert _keys(ParallelLayout(dp=3, ep=3), MIXTRAL) == ["ep"]  # 3 does not divide 8 experts
+    assert _keys(ParallelLayout(tp=2, dp=2, ep=4), MIXTRAL) == ["ep"]  # etp 2 x ep 4 > 4 ranks
+    assert _keys(ParallelLayout(dp=2, ep=2), LLAMA3_8B) == ["ep"]  # a dense model has no experts
+    assert _keys(ParallelLayout(ep=0), MIXTRAL) == ["ep"]
+    odd = replace(MIXTRAL, moe=replace(MIXTRAL.moe, ffn_hidden_size=1001))
+    assert "etp" in _keys(ParallelLayout(tp=1, dp=4, ep=2, etp=2), odd)
