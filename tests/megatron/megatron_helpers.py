@@ -11,6 +11,9 @@ from heteroflow.megatron import ImportOptions, import_megatron
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+FIXTURE_MIXTRAL = (Path(__file__).resolve().parent / "fixtures" / "megatron-lm" / "examples" / "mixtral"
+                   / "train_mixtral_8x7b_distributed.sh")
+"""Megatron-LM's own Mixtral example, unchanged (fixtures/README.md)."""
 
 # A small dense decoder that satisfies every Megatron rule at tp <= 8, pp <= 4.
 BASE_ARGS = ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
