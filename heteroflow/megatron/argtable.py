@@ -5,7 +5,8 @@ flags heteroflow maps or has a reason for (plus flags older scripts still use); 
 current parser comes from `megatron_flags.tsv`, generated from arguments.py at the commit its first line
 names (`versions.CURRENT_COMMIT`) and checked against it by tests/megatron/test_megatron_corpus.py. Arguments in the `mapped` group are read by `mapping.py` / `layout.py`,
 which decide their disposition from their values; every other group has one reason for all its
-members. Model-feature groups (MoE, MLA, Mamba, ...) make the import refuse when the feature is on.
+members. Model-feature groups (MLA, Mamba, ...) make the import refuse when the feature is on; the MoE group
+is mapped by moe.py, which refuses the MoE variants heteroflow cannot represent one by one.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ def _router(ctx: Context, top_k: object) -> tuple[str | None, bool]:
             _block(ctx, "moe_router_score_function", "sigmoid routing with --moe-router-topk 1",
                    "Megatron weighs the one expert by its sigmoid score, heteroflow's sigmoid router normalises "
                    "the top-k weights (to 1 for one expert); use softmax with --moe-router-pre-softmax or top-k > 1")
+            return None, True
         ctx.mark("moe_router_score_function", "mapped", "model.moe.score_function = sigmoid (top-k weights "
                                                         "normalised, as Megatron does for top-k > 1)")
         ctx.mark("moe_router_pre_softmax", "ignored", "no effect with sigmoid scores (Megatron applies the "
@@ -352,14 +353,19 @@ def _blockers(ctx: Context) -> None:
 
 
 def _same_model(ctx: Context) -> None:
-    """Performance, kernel, logging and communication switches of the MoE layer: ignored, each with why."""
+    """Performance, kernel, logging and communication switches of the MoE layer: ignored, each with why;
+    any other MoE argument nothing decided is unknown (it might change the model)."""
     for setting in ctx.args.settings:
         dest = setting.dest
-        if dest is None or setting.index in ctx.decided:
+        if setting.index in ctx.decided or (dest is None and setting.group != "moe"):
             continue
-        reason = _SAME.get(dest) or next((why for prefix, why in _SAME_PREFIXES if dest.startswith(prefix)), None)
+        reason = None if dest is None else (_SAME.get(dest) or next(
+            (why for prefix, why in _SAME_PREFIXES if dest.startswith(prefix)), None))
         if reason is not None:
             ctx.mark_setting(setting, "ignored", reason)
+        elif setting.group == "moe" and ctx.args.effective.get(dest or "") in (setting, None):
+            ctx.mark_setting(setting, "unknown", "a mixture-of-experts argument heteroflow has no rule for: not "
+                                                 "used; check that it does not change the model you want")
 
 
 def _block(ctx: Context, dest: str, what: str, fix: str) -> None:

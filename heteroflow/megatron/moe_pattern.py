@@ -47,7 +47,11 @@ def parse_layer_freq(value: object) -> int | list[int]:
         return value
     text = str(value).strip()
     if "[" not in text:
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"invalid value {text!r}: an integer N (every N-th layer is MoE) or a Python list "
+                             "expression of 0s and 1s") from None
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:

@@ -149,6 +149,28 @@ def test_whole_corpus_no_tracebacks_and_families_named(corpus):
 
 @pytest.mark.slow
 @needs_mirror
+def test_whole_corpus_moe_refusals_name_the_feature_and_flag(corpus):
+    moe = [o for o in corpus if o.status == "refused" and "not imported: mixture-of-experts" in o.message]
+    assert moe
+    for o in moe:
+        first = o.message.removeprefix("not imported: ").split("; ")[0]
+        assert first.startswith(("mixture-of-experts: ", "mixture-of-experts layer pattern (")), o.message
+        assert "(--moe-" in first or "(--num-experts" in first or "(model.moe_" in first, o.message
+
+
+@pytest.mark.slow
+@needs_mirror
+def test_mirrored_mixtral_example_imports_with_experts(tmp_path):
+    root = extract(MEGATRON_MIRROR, ["examples/mixtral"], tmp_path)
+    result = import_megatron(root / "examples/mixtral/train_mixtral_8x7b_distributed.sh",
+                             ImportOptions(env={"SLURM_NNODES": "4"}, device_type="nvidia-h100-sxm",
+                                           script_args=("ckpt", "/m/Mixtral-8x7B/tokenizer.model", "/data/x")))
+    assert result.job.model.moe.num_experts == 8
+    assert {(s.layout.ep, s.layout.dp) for s in result.job.plan.stages} == {(8, 8)}
+
+
+@pytest.mark.slow
+@needs_mirror
 def test_flag_table_matches_megatron_arguments_at_its_commit(tmp_path):
     src = extract_commit(tmp_path)
     generated = subprocess.run([sys.executable, str(REPO / "tools" / "megatron_flag_table.py"), str(src),
