@@ -226,6 +226,7 @@ def _load_balancing(ctx: Context, top_k: object) -> float | None:
                     "global_aux_loss": "the global-batch load-balancing loss"}[kind]
             _block(ctx, "moe_router_load_balancing_type", f"{what} ({kind})",
                    "heteroflow's MoE balances with the micro-batch aux loss (aux_loss) or none")
+            ctx.mark("moe_aux_loss_coeff", "unsupported", f"a coefficient of {what}, which heteroflow lacks")
             return None
         if kind == "aux_loss":
             coeff += value
@@ -264,6 +265,7 @@ def _capacity(ctx: Context, tp: int) -> float | None:
                "(Megatron's default drop policy)",
                f"heteroflow's capacity keeps each expert's earliest tokens: set {ctx.key('moe_token_drop_policy')} "
                f"position, or leave out {ctx.key('moe_expert_capacity_factor')} (dropless)")
+        ctx.mark("moe_expert_capacity_factor", "unsupported", "a capacity with the probs drop policy")
         return None
     ctx.mark("moe_token_drop_policy", "mapped", "each expert keeps its earliest tokens, as heteroflow")
     if tp > 1:
