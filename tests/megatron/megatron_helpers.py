@@ -46,7 +46,9 @@ def entry(result, key: str):
     return found[-1]
 
 
-def heteroflow(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run the CLI in a subprocess, as a user would."""
-    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True, timeout=120,
-                          cwd=cwd, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+def heteroflow(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None,
+               timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess, as a user would (`env` adds variables to a clean environment)."""
+    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=cwd, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                                           **(env or {})})
