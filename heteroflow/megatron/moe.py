@@ -287,6 +287,11 @@ def _dispatcher(ctx: Context) -> None:
     etp = ctx.get("expert_tensor_parallel_size")
     tp = ctx.get("tensor_model_parallel_size")
     exchanged = (isinstance(ep, int) and ep > 1) or ((etp if isinstance(etp, int) else tp) or 1) > 1
+    if ctx.get("overlap_moe_expert_parallel_comm"):
+        if not (isinstance(ep, int) and ep > 1):
+            ctx.error("overlap_moe_expert_parallel_comm is only supported with expert model parallelism (Megatron)")
+        if kind not in ("alltoall", "flex"):
+            ctx.error("overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher (Megatron)")
     if kind == "allgather" and exchanged:
         ctx.mark_or_default("moe_token_dispatcher_type", "approximated",
                             "Megatron's allgather dispatcher (its default) gathers every token on every expert "

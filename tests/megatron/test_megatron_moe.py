@@ -195,6 +195,10 @@ def test_refusal_exits_2_naming_the_source(tmp_path):
 @pytest.mark.parametrize("args, words", [
     ("--moe-router-topk 1", "Please use --moe-router-pre-softmax when topk is 1."),
     ("--moe-router-topk 9", "--moe-router-topk 9 must be between 1 and --num-experts 8"),
+    ("--overlap-moe-expert-parallel-comm --expert-model-parallel-size 2",
+     "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher"),
+    ("--overlap-moe-expert-parallel-comm --moe-token-dispatcher-type alltoall",
+     "overlap_moe_expert_parallel_comm is only supported with expert model parallelism"),
     ("--moe-shared-expert-intermediate-size 0", "moe_shared_expert_intermediate_size must be"),
     ("--moe-shared-expert-intermediate-size 256 --moe-shared-expert-overlap",
      "moe_shared_expert_overlap only works with alltoall or flex token dispatcher"),
