@@ -9,8 +9,9 @@ heteroflow's (`models/moe.py`):
 - The aux loss: Megatron's `switch_load_balancing_loss_func` divides the assignment counts by
   tokens * top_k, Hugging Face's form (heteroflow's) by tokens, so the same gradient needs
   `aux_loss_coeff = --moe-aux-loss-coeff / top_k`.
-- The capacity: both take ceil(factor * tokens * top_k / num_experts) per expert; Megatron's "position"
-  drop policy keeps each expert's earliest tokens, as heteroflow does.
+- The capacity: both take ceil(factor * tokens * top_k / num_experts) per expert. heteroflow keeps each
+  expert's earliest tokens, the documented intent of Megatron's "position" drop policy; its code picks them
+  with torch.topk over equal values, which does not guarantee the earliest (so: approximated).
 What heteroflow's MoE does not model (expert bias, group-limited routing, z-loss, ...) blocks the import
 by name with what to change.
 """
@@ -267,14 +268,14 @@ def _capacity(ctx: Context, tp: int) -> float | None:
                f"position, or leave out {ctx.key('moe_expert_capacity_factor')} (dropless)")
         ctx.mark("moe_expert_capacity_factor", "unsupported", "a capacity with the probs drop policy")
         return None
-    ctx.mark("moe_token_drop_policy", "mapped", "each expert keeps its earliest tokens, as heteroflow")
+    detail = (f"model.moe.capacity_factor = {factor:g}: the same ceil(factor * tokens * top_k / experts) per "
+              "expert; heteroflow keeps each expert's earliest tokens (the position policy's documented intent), "
+              "Megatron picks them with torch.topk over equal values, which need not be the earliest")
     if tp > 1:
-        ctx.mark("moe_expert_capacity_factor", "approximated",
-                 f"model.moe.capacity_factor = {factor:g}; Megatron counts the capacity over each tp rank's "
-                 "sequence-parallel shard of the tokens, heteroflow over the micro-batch share of the stage")
-    else:
-        ctx.mark("moe_expert_capacity_factor", "mapped", f"model.moe.capacity_factor = {factor:g} "
-                                                         "(ceil(factor * tokens * top_k / experts) per expert)")
+        detail += ("; and Megatron counts the capacity over each tp rank's sequence-parallel shard of the tokens, "
+                   "heteroflow over the stage's micro-batch share")
+    ctx.mark("moe_token_drop_policy", "approximated", detail)
+    ctx.mark("moe_expert_capacity_factor", "approximated", detail)
     if pad:
         ctx.mark("moe_pad_expert_input_to_capacity", "approximated", "Megatron pads every expert's input to its "
                  "capacity (same outputs, more compute); heteroflow computes the routed tokens only")

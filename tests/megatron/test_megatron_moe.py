@@ -139,7 +139,8 @@ def test_capacity_factor_with_position_drop_policy(tmp_path):
     result = import_args(tmp_path, f"{MOE} --moe-expert-capacity-factor 1.5 --moe-token-drop-policy position "
                                    "--moe-pad-expert-input-to-capacity")
     assert result.job_dict["model"]["moe"]["capacity_factor"] == 1.5
-    assert entry(result, "--moe-expert-capacity-factor").disposition == "mapped"
+    assert entry(result, "--moe-expert-capacity-factor").disposition == "approximated"
+    assert "need not be the earliest" in entry(result, "--moe-token-drop-policy").detail
     assert entry(result, "--moe-pad-expert-input-to-capacity").disposition == "approximated"
 
 
