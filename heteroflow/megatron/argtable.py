@@ -5,7 +5,8 @@ flags heteroflow maps or has a reason for (plus flags older scripts still use); 
 current parser comes from `megatron_flags.tsv`, generated from arguments.py at the commit its first line
 names (`versions.CURRENT_COMMIT`) and checked against it by tests/megatron/test_megatron_corpus.py. Arguments in the `mapped` group are read by `mapping.py` / `layout.py`,
 which decide their disposition from their values; every other group has one reason for all its
-members. Model-feature groups (MoE, MLA, Mamba, ...) make the import refuse when the feature is on.
+members. Model-feature groups (MLA, Mamba, ...) make the import refuse when the feature is on; the MoE group
+is mapped by moe.py, which refuses the MoE variants heteroflow cannot represent one by one.
 """
 
 from __future__ import annotations
@@ -385,22 +386,32 @@ _many("inference", "true", "--output-bert-embeddings", "--flash-decode", "--use-
 _many("inference", "str", "--bert-embedder-type", "--symmetric-ar-type")
 _many("optimizer_extra", "float", "--muon-momentum", "--muon-extra-scale-factor")
 
-# -- feature groups: on only when their switch is on (see mapping.features) -----------------------
-_many("moe", "int", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size", "--moe-router-topk",
-      "--moe-router-num-groups", "--moe-router-group-topk", "--moe-deepep-num-sms", "--moe-upcycling-granularity")
+# -- feature groups: on only when their switch is on (see features.py) ----------------------------
+# Mixture of experts (`--num-experts`): read by moe.py, with Megatron's defaults and choices
+# (TransformerConfig's MoE fields, which arguments.py turns into flags).
+_add("moe", "int", "--moe-ffn-hidden-size")
+_add("moe", "int", "--moe-shared-expert-intermediate-size")
+_add("moe", "int", "--moe-router-topk", default=2)
+_many("moe", "int", "--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-limited-devices",
+      "--moe-deepep-num-sms", "--moe-latent-size")
+_add("moe", "int", "--moe-upcycling-granularity", default=1)
 _add("moe", "str", "--moe-layer-freq", default=1)
-_many("moe", "str", "--moe-router-dtype", "--moe-router-score-function", "--moe-token-dispatcher-type",
-      "--moe-token-drop-policy")
-_add("moe", "list", "--moe-router-load-balancing-type")
-_add("moe", "list", "--moe-aux-loss-coeff", elem="float")
-_many("moe", "float", "--moe-router-topk-scaling-factor", "--moe-router-bias-update-rate", "--moe-z-loss-coeff",
-      "--moe-input-jitter-eps", "--moe-expert-capacity-factor")
-_many("moe", "true", "--moe-shared-expert-overlap", "--moe-grouped-gemm", "--moe-use-legacy-grouped-gemm",
-      "--moe-layer-recompute", "--moe-extended-tp", "--moe-use-upcycling", "--moe-router-fusion",
-      "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-router-force-load-balancing",
-      "--moe-router-padding-for-fp8", "--moe-per-layer-logging", "--moe-enable-deepep", "--moe-permute-fusion",
-      "--moe-pad-expert-input-to-capacity", "--moe-apply-probs-on-input",
-      "--moe-pad-experts-for-cuda-graph-inference")
+_add("moe", "str", "--moe-router-dtype", choices=("fp32", "fp64"))
+_add("moe", "str", "--moe-router-score-function", default="softmax", choices=("softmax", "sigmoid", "sqrtsoftplus"))
+_add("moe", "str", "--moe-token-dispatcher-type", default="allgather", choices=("allgather", "alltoall", "flex"))
+_add("moe", "str", "--moe-token-drop-policy", default="probs", choices=("probs", "position"))
+_add("moe", "list", "--moe-router-load-balancing-type", default="aux_loss",
+     choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"))
+_add("moe", "list", "--moe-aux-loss-coeff", default=0.0, elem="float")
+_many("moe", "float", "--moe-router-topk-scaling-factor", "--moe-z-loss-coeff", "--moe-input-jitter-eps",
+      "--moe-expert-capacity-factor", "--moe-router-force-biased", "--moe-expert-rank-capacity-factor")
+_add("moe", "float", "--moe-router-bias-update-rate", default=1e-3)
+_many("moe", "true", "--moe-shared-expert-overlap", "--moe-shared-expert-gate", "--moe-grouped-gemm",
+      "--moe-use-legacy-grouped-gemm", "--moe-layer-recompute", "--moe-extended-tp", "--moe-use-upcycling",
+      "--moe-router-fusion", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
+      "--moe-router-force-load-balancing", "--moe-router-padding-for-fp8", "--moe-per-layer-logging",
+      "--moe-enable-deepep", "--moe-permute-fusion", "--moe-pad-expert-input-to-capacity",
+      "--moe-apply-probs-on-input", "--moe-pad-experts-for-cuda-graph-inference", "--moe-token-dropping")
 _many("mla", "int", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
 _many("mla", "float", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim")
 _many("mla", "true", "--cache-mla-latents")

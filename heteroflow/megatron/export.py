@@ -1,6 +1,6 @@
 """heteroflow job -> Megatron-LM arguments (the way back, for the round trip and for running a plan on Megatron).
 
-Only plans Megatron can express export: one layout on every stage (same tp / cp / dp / sp / ZeRO /
+Only plans Megatron can express export: one layout on every stage (same tp / cp / dp / sp / ep / etp / ZeRO /
 recompute / offload), layers even over the stages or uneven only in the first and last stage, and the
 same number of devices on every node used. Anything Megatron cannot express raises a `UserError`;
 smaller differences (a non-integer RoPE base, the schedule) become notes.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from heteroflow.config import JobConfig
 from heteroflow.errors import UserError
+from heteroflow.megatron.moe_export import expert_parallel_args, moe_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,8 @@ class MegatronCommand:
     nnodes: int
     nproc_per_node: int
     groups: tuple[tuple[str, tuple[str, ...]], ...]
-    """(array name, arguments) in launch order: MODEL_ARGS, TRAINING_ARGS, MODEL_PARALLEL_ARGS, DATA_ARGS."""
+    """(array name, arguments) in launch order: MODEL_ARGS, MOE_ARGS (MoE models), TRAINING_ARGS,
+    MODEL_PARALLEL_ARGS, DATA_ARGS."""
     notes: tuple[str, ...] = ()
     source: str = ""
 
@@ -128,6 +130,8 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
     recompute = _same([s.layout.recompute for s in stages], "recompute")
     offload = _same([s.layout.offload for s in stages], "offload")
     precision = _same([s.layout.compute_precision(job.train.precision) for s in stages], "precision")
+    ep = _same([s.layout.ep for s in stages], "expert parallelism (ep)")
+    expert_tp = _same([s.layout.expert_tp for s in stages], "expert tensor parallelism (etp)")
     nnodes, nproc, notes = _placement(job)
     m, t = job.model, job.train
     notes = list(notes)
@@ -155,6 +159,9 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
     if m.qk_norm:
         model += ["--qk-layernorm"]
     model += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+    moe = moe_args(m.moe, m.num_layers) if m.moe is not None else []
+    if m.moe is not None and tp > 1 and not sp:
+        notes.append("Megatron's MoE layer refuses tp > 1 without --sequence-parallel")
     if m.vocab_size % tp:
         notes.append(f"Megatron pads the vocabulary to a multiple of tp {tp}: {m.vocab_size} becomes "
                      f"{-(-m.vocab_size // tp) * tp}")
@@ -177,6 +184,7 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
         parallel += ["--sequence-parallel"]
     elif sp:
         notes.append("sequence parallelism at tp = 1 is a no-op that Megatron switches off")
+    parallel += expert_parallel_args(ep, expert_tp, tp)
     parallel += _layer_args([s.layers for s in stages])
     parallel += {0: [], 1: ["--use-distributed-optimizer"],
                  2: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format",
@@ -211,9 +219,9 @@ def export_megatron(job: JobConfig) -> MegatronCommand:
         data += ["--mock-data"]
     if t.checkpoint is not None or t.init_from is not None:
         notes.append("train.checkpoint / train.init_from are not exported (Megatron uses its own checkpoints)")
-    return MegatronCommand(nnodes, nproc, (("MODEL_ARGS", tuple(model)), ("TRAINING_ARGS", tuple(training)),
-                                           ("MODEL_PARALLEL_ARGS", tuple(parallel)), ("DATA_ARGS", tuple(data))),
-                           tuple(notes), job.base_dir)
+    groups = (("MODEL_ARGS", tuple(model)),) + ((("MOE_ARGS", tuple(moe)),) if moe else ()) + \
+        (("TRAINING_ARGS", tuple(training)), ("MODEL_PARALLEL_ARGS", tuple(parallel)), ("DATA_ARGS", tuple(data)))
+    return MegatronCommand(nnodes, nproc, groups, tuple(notes), job.base_dir)
 
 
 def _loss_scale_args(t, precision: str, notes: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """Model features heteroflow cannot represent: the import names them and produces no job.
 
-A heteroflow model is a dense decoder-only Transformer (`ModelSpec`). Mixture-of-experts, multi-latent
+A heteroflow model is a decoder-only Transformer (`ModelSpec`), dense or mixture-of-experts (`model.moe`,
+mapped by `moe.py`, which refuses the MoE variants it cannot represent one by one). Multi-latent
 attention, Mamba layers, multi-token prediction, Retro, per-layer heterogeneous blocks, and other
 entry points (BERT, T5, vision) would describe a different model, so they block the import.
 """
@@ -56,7 +57,10 @@ def check_features(ctx: Context, program: str | None) -> None:
         if group == "hybrid":
             members += [s for s in ctx.args.settings if s.dest in ("is_hybrid_model", "hybrid_override_pattern",
                                                                      "hybrid_layer_pattern")]
-        if not _active(ctx, group, name):
+        active = _active(ctx, group, name)
+        if active and group == "moe":
+            continue  # moe.py maps the MoE arguments and refuses, by name, what it cannot represent
+        if not active:
             for setting in members:
                 if setting.dest == switch_dest and switch_dest is not None:
                     ctx.mark_setting(setting, "ignored", f"{label} is off")
@@ -75,5 +79,8 @@ def check_features(ctx: Context, program: str | None) -> None:
         if isinstance(ep, int) and ep > 1:
             ctx.error(f"{ctx.key('expert_model_parallel_size')} {ep} needs --num-experts (Megatron: "
                       "\"num_experts must be non None to use expert model parallelism\")")
+        if ctx.given("moe_ffn_hidden_size") and str(ctx.get("moe_layer_freq")) == "1":
+            ctx.error("moe_ffn_hidden_size is set but num_moe_experts is None. Please set num_moe_experts or remove "
+                      "moe_ffn_hidden_size. (Megatron)")
         ctx.mark("expert_model_parallel_size", "ignored", "expert parallelism without experts has no effect")
         ctx.mark("expert_tensor_parallel_size", "ignored", "expert parallelism without experts has no effect")

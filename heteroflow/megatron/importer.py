@@ -103,8 +103,10 @@ class ImportResult:
         head = [f"# Imported from Megatron-LM: {self.source}, by `heteroflow import-megatron`."]
         if self.layout is not None:
             lay, par = self.layout, self.layout.parallel
+            experts = f" (experts: ep {par.ep}, etp {par.expert_tp})" if par.ep != 1 or par.etp is not None else ""
             head.append(f"# Megatron layout: tp {par.tp} x pp {lay.pp} x cp {par.cp} x dp {par.dp} on "
-                        f"{lay.world_size} devices; plan.micro_batch_size = micro-batch {lay.micro_batch_size} x dp.")
+                        f"{lay.world_size} devices{experts}; plan.micro_batch_size = micro-batch "
+                        f"{lay.micro_batch_size} x dp.")
         approx = self.report.by_disposition("approximated")
         if approx:
             head.append(f"# {len(approx)} setting(s) approximated; see the import report:")
@@ -361,7 +363,8 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
     model = map_model(ctx, max(tp, 1), options.vocab_size)
     layout = train = None
     if model:
-        layout = map_layout(ctx, world, model["num_layers"], model["seq_length"])
+        layout = map_layout(ctx, world, model["num_layers"], model["seq_length"],
+                            model["moe"]["num_experts"] if "moe" in model else None)
     if layout is not None:
         layout = replace(layout, world_size=world)
         train = map_train(ctx, layout)
@@ -375,7 +378,7 @@ def import_megatron(path: str | os.PathLike, options: ImportOptions | None = Non
         par = layout.parallel
         summary = LayoutSummary(world, nnodes, nproc, par.tp, layout.pp, par.cp, par.dp,
                                 layout.micro_batch_size, layout.global_batch_size, layout.stage_layers,
-                                layout.virtual_stages)
+                                layout.virtual_stages, par.ep, par.etp)
     launcher = source.launch.describe() if source.launch is not None else ""
     if ctx.blockers:
         notes += [f"also: {e}" for e in ctx.errors]

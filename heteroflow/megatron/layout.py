@@ -47,8 +47,9 @@ def _positive(ctx: Context, dest: str) -> int:
     return value
 
 
-def map_layout(ctx: Context, world_size: int, num_layers: int, seq_length: int | None) -> MegatronLayout | None:
-    """The layout, or None when errors were recorded."""
+def map_layout(ctx: Context, world_size: int, num_layers: int, seq_length: int | None,
+               num_experts: int | None = None) -> MegatronLayout | None:
+    """The layout, or None when errors were recorded (`num_experts`: the MoE model's, for ep and etp)."""
     if ctx.given("model_parallel_size"):
         ctx.error("--model-parallel-size is no longer valid in Megatron; use --tensor-model-parallel-size")
     tp, pp, cp = (_positive(ctx, d) for d in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -67,6 +68,7 @@ def map_layout(ctx: Context, world_size: int, num_layers: int, seq_length: int |
     stage_layers, vp = _layer_split(ctx, num_layers, pp)
     mbs, gbs = _batches(ctx, dp)
     zero = _zero(ctx, pp)
+    ep, etp = _expert_layout(ctx, world_size, tp, pp, sp, num_experts)
     recompute = _recompute(ctx, stage_layers, tp, sp)
     offload = _offload(ctx, num_layers, pp, recompute)
     order = ("tp", "cp", "dp", "pp")
@@ -77,8 +79,40 @@ def map_layout(ctx: Context, world_size: int, num_layers: int, seq_length: int |
     if ctx.errors or stage_layers is None or mbs is None:
         return None
     parallel = ParallelLayout(tp=tp, cp=cp, dp=dp, sp=sp, zero=zero, recompute=recompute,
-                              offload=OffloadSpec(**offload))
+                              offload=OffloadSpec(**offload), ep=ep, etp=etp)
     return MegatronLayout(world_size, pp, parallel, mbs, gbs, tuple(stage_layers), vp, order)
+
+
+def _expert_layout(ctx: Context, world_size: int, tp: int, pp: int, sp: bool,
+                   num_experts: int | None) -> tuple[int, int | None]:
+    """ep and etp (None when it is tp, heteroflow's default) of a MoE model, with Megatron's rules on them:
+    Megatron folds etp x ep x expert-dp over the world per pipeline stage, as heteroflow folds them over
+    each stage's tp x cp x dp ranks, so the same divisibility rule holds."""
+    if not num_experts:
+        return 1, None  # features.py marks them (and refuses ep > 1 without experts)
+    ep = _positive(ctx, "expert_model_parallel_size")
+    etp = tp if ctx.value("expert_tensor_parallel_size") is None else _positive(ctx, "expert_tensor_parallel_size")
+    if num_experts % ep:
+        ctx.error(f"Number of experts should be a multiple of expert model parallel_size. (Megatron: --num-experts "
+                  f"{num_experts}, {ctx.key('expert_model_parallel_size')} {ep})")
+    if world_size % (etp * ep * pp):
+        ctx.error(f"world_size ({world_size}) is not divisible by expert_tensor_model_pipeline_parallel size "
+                  f"({etp * ep * pp}) (Megatron: etp {etp} x ep {ep} x pp {pp}; each pipeline stage's "
+                  f"{world_size // pp} ranks must hold etp x ep; give more ranks with --nnodes / --nproc-per-node or the "
+                  "launcher's variables with --env, or lower --expert-model-parallel-size)")
+    if ctx.get("add_bias_linear") and etp != 1:
+        ctx.error("Bias in Moe is only supported when ETP==1 (Megatron): pass --disable-bias-linear or "
+                  "--expert-tensor-parallel-size 1")
+    if tp > 1 and not sp:
+        ctx.error("During training, performance may degrade if MoE and tensor parallelism are enabled without also "
+                  "enabling sequence parallelism. (Megatron's MoE layer raises this: pass --sequence-parallel)")
+    if ctx.get("use_torch_fsdp2") and ep > 1:
+        ctx.error("--use-torch-fsdp2 is not supported with expert parallelism (Megatron)")
+    ctx.mark_or_default("expert_model_parallel_size", "mapped", f"plan.stages[*].ep = {ep}")
+    if ctx.given("expert_tensor_parallel_size"):
+        ctx.mark("expert_tensor_parallel_size", "mapped", f"plan.stages[*].etp = {etp}" if etp != tp else
+                 f"etp {etp} = tp: heteroflow's default (etp left out of the plan)")
+    return ep, (None if etp == tp else etp)
 
 
 def _sequence_parallel(ctx: Context, tp: int, seq_length: int | None) -> bool:

@@ -10,6 +10,7 @@ import math
 import re
 
 from heteroflow.megatron.context import Context
+from heteroflow.megatron.moe import map_moe
 from heteroflow.megatron.versions import null_tokenizer_vocab
 
 # Tokenizer vocabularies Megatron reads from the tokenizer itself (len(tokenizer) for Hugging Face ones).
@@ -93,6 +94,9 @@ def map_model(ctx: Context, tp: int, vocab_override: int | None) -> dict:
              "rope_theta": rope_theta, "norm_eps": float(norm_eps), "tie_embeddings": tied, "qkv_bias": qkv_bias,
              "qk_norm": qk_norm, "activation": "swiglu" if swiglu else "gelu", "normalization": normalization,
              "position_embedding": position}
+    moe = map_moe(ctx, num_layers, ffn, tp, swiglu)
+    if moe is not None:
+        model["moe"] = moe
     return model if vocab is not None else {}
 
 

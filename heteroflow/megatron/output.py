@@ -34,7 +34,7 @@ def emit(result: ImportResult, *, output: str | None = None, plan_out: str | Non
     if result.blocked:
         if not as_json:
             print(result.report.format(), file=sys.stderr)
-        raise UserError("not imported: " + "; ".join(result.report.blockers))
+        raise UserError(f"{result.source}: not imported: " + "; ".join(result.report.blockers))
     if output:
         _write(output, result.job_yaml())
     elif not as_json:

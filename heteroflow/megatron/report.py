@@ -53,6 +53,10 @@ class LayoutSummary:
     global_batch_size: int
     stage_layers: tuple[int, ...]
     virtual_stages: int | None = None
+    ep: int = 1
+    """Expert-parallel degree (MoE layers)."""
+    etp: int | None = None
+    """Expert tensor-parallel degree when it differs from tp."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,10 @@ class ImportReport:
             vp = f", {lay.virtual_stages} virtual stages per rank" if lay.virtual_stages else ""
             lines.append(f"  layout:  tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp} = {lay.world_size} ranks "
                          f"({_count(lay.nnodes, 'node')} x {lay.nproc_per_node}){vp}")
+            if lay.ep != 1 or lay.etp is not None:
+                etp = lay.tp if lay.etp is None else lay.etp
+                lines.append(f"  experts: etp {etp} x ep {lay.ep} x expert-dp {lay.world_size // (lay.pp * etp * lay.ep)} "
+                             "per pipeline stage (folded over the stage's tp x cp x dp ranks)")
             lines.append(f"  batch:   micro-batch {lay.micro_batch_size} per dp rank, global {lay.global_batch_size}; "
                          f"heteroflow plan micro_batch_size {lay.micro_batch_size * lay.dp}")
             lines.append(f"  stages:  layers per pipeline stage {list(lay.stage_layers)}")

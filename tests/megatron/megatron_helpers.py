@@ -11,6 +11,9 @@ from heteroflow.megatron import ImportOptions, import_megatron
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+FIXTURE_MIXTRAL = (Path(__file__).resolve().parent / "fixtures" / "megatron-lm" / "examples" / "mixtral"
+                   / "train_mixtral_8x7b_distributed.sh")
+"""Megatron-LM's own Mixtral example, unchanged (fixtures/README.md)."""
 
 # A small dense decoder that satisfies every Megatron rule at tp <= 8, pp <= 4.
 BASE_ARGS = ("--num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
@@ -43,7 +46,9 @@ def entry(result, key: str):
     return found[-1]
 
 
-def heteroflow(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run the CLI in a subprocess, as a user would."""
-    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True, timeout=120,
-                          cwd=cwd, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+def heteroflow(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None,
+               timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI in a subprocess, as a user would (`env` adds variables to a clean environment)."""
+    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=cwd, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                                           **(env or {})})

@@ -7,11 +7,12 @@ import json
 import yaml
 
 from heteroflow.config import load_job, load_plan_file
-from megatron_helpers import SCRIPTS, heteroflow
+from megatron_helpers import FIXTURE_MIXTRAL, SCRIPTS, heteroflow, launch_script
 
 LLAMA3 = str(SCRIPTS / "train_llama3_8b_h100_fp8.sh")
 GPT3 = str(SCRIPTS / "train_gpt3_175b_distributed.sh")
-MIXTRAL = str(SCRIPTS / "train_mixtral_8x7b_distributed.sh")
+MIXTRAL = str(FIXTURE_MIXTRAL)
+MIXTRAL_ARGS = ("ckpt", "/models/Mixtral-8x7B/tokenizer.model", "/data/x")
 
 
 def test_job_to_a_file_report_to_stdout_and_the_job_validates(tmp_path):
@@ -51,11 +52,39 @@ def test_placeholder_device_is_rejected_by_validate_until_it_is_set(tmp_path):
     assert accepted.returncode == 0, accepted.stderr
 
 
-def test_moe_is_refused_with_exit_2_and_the_report():
-    result = heteroflow("import-megatron", MIXTRAL, "ckpt", "/models/Mixtral-8x7B/tokenizer.model", "/data/x")
-    assert result.returncode == 2 and result.stdout == ""
-    assert "not imported: mixture-of-experts (--num-experts 8" in result.stderr
-    assert "NOT IMPORTED" in result.stderr and "Traceback" not in result.stderr
+def test_mixtral_example_imports_with_its_experts_on_four_nodes(tmp_path):
+    job = tmp_path / "job.yaml"
+    result = heteroflow("import-megatron", MIXTRAL, *MIXTRAL_ARGS, "--env", "SLURM_NNODES=4", "--device-type",
+                        "nvidia-h100-sxm", "-o", str(job))
+    assert result.returncode == 0, result.stderr
+    data = yaml.safe_load(job.read_text())
+    assert data["model"]["moe"]["num_experts"] == 8 and data["model"]["moe"]["top_k"] == 2
+    assert [(s["dp"], s["ep"]) for s in data["plan"]["stages"]] == [(8, 8)] * 4
+    assert "(experts: ep 8, etp 1)" in job.read_text()
+
+
+def test_mixtral_on_one_node_breaks_megatrons_expert_rule_exit_2():
+    # The example's NNODES defaults to 1: 8 ranks cannot hold ep 8 x pp 4, and Megatron refuses to start.
+    result = heteroflow("import-megatron", MIXTRAL, *MIXTRAL_ARGS, "--device-type", "nvidia-h100-sxm")
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert f"{MIXTRAL}: cannot import (1 problem)" in result.stderr
+    assert ("world_size (8) is not divisible by expert_tensor_model_pipeline_parallel size (32)"
+            in result.stderr)
+
+
+def _z_loss_script(tmp_path) -> str:
+    script = tmp_path / "moe_z_loss.sh"
+    script.write_text(launch_script("--swiglu --num-experts 8 --moe-z-loss-coeff 1e-3"))
+    return str(script)
+
+
+def test_moe_feature_refused_by_name_with_exit_2_and_the_report(tmp_path):
+    script = _z_loss_script(tmp_path)
+    result = heteroflow("import-megatron", script, "--device-type", "cpu")
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert "NOT IMPORTED" in result.stderr
+    assert (f"error: {script}: not imported: mixture-of-experts: the router z-loss (ST-MoE) (--moe-z-loss-coeff "
+            "0.001): heteroflow's MoE trains no z-loss; remove --moe-z-loss-coeff") in result.stderr
 
 
 def test_json_is_one_document(tmp_path):
@@ -64,7 +93,7 @@ def test_json_is_one_document(tmp_path):
     data = json.loads(result.stdout)
     assert data["ready"] and data["job"]["plan"]["micro_batch_size"] == 2
     assert data["report"]["counts"]["mapped"] > 30
-    blocked = heteroflow("import-megatron", MIXTRAL, "--json", "--vocab-size", "32000")
+    blocked = heteroflow("import-megatron", _z_loss_script(tmp_path), "--json")
     assert blocked.returncode == 2 and json.loads(blocked.stdout)["blocked"]
 
 

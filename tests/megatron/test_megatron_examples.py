@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from heteroflow.config import load_job
+from heteroflow.config import PRESETS, load_job
 from heteroflow.errors import UserError
 from heteroflow.megatron import ImportOptions, MegatronRuleError, import_megatron
 from heteroflow.megatron.versions import parse_version
-from megatron_helpers import SCRIPTS, entry
+from megatron_helpers import FIXTURE_MIXTRAL, SCRIPTS, entry
 
 GPT3 = SCRIPTS / "train_gpt3_175b_distributed.sh"
 LLAMA3 = SCRIPTS / "train_llama3_8b_h100_fp8.sh"
-MIXTRAL = SCRIPTS / "train_mixtral_8x7b_distributed.sh"
+MIXTRAL = FIXTURE_MIXTRAL
 YAML_CFG = SCRIPTS / "gpt_yaml_cfg.yaml"
 NEMO = SCRIPTS / "megatron_gpt_nemo.yaml"
 
@@ -134,19 +136,35 @@ def test_llama3_null_tokenizer_vocabulary_follows_the_megatron_version():
 
 
 # -- Mixtral 8x7B --------------------------------------------------------------------------------
-def test_mixtral_moe_is_reported_and_no_job_is_made():
-    result = import_megatron(MIXTRAL, ImportOptions(device_type="nvidia-h100-sxm",
+def test_megatrons_mixtral_example_imports_as_mixtral_with_ep_on_every_stage():
+    result = import_megatron(MIXTRAL, ImportOptions(device_type="nvidia-h100-sxm", env={"SLURM_NNODES": "4"},
                                                     script_args=("ckpt", "/models/Mixtral-8x7B/tokenizer.model",
                                                                  "/data/mix")))
-    assert result.blocked and result.job is None and result.job_dict is None
-    assert len(result.report.blockers) == 1
-    blocker = result.report.blockers[0]
-    assert blocker.startswith("mixture-of-experts (--num-experts 8, --moe-router-topk 2")
-    for key in ("--num-experts", "--moe-router-topk", "--moe-grouped-gemm", "--expert-model-parallel-size",
-                "--moe-token-dispatcher-type", "--moe-aux-loss-coeff"):
-        assert entry(result, key).disposition == "unsupported", key
-    assert "NOT IMPORTED" in result.report.format()
-    assert result.layout.pp == 4  # the layout is still shown
+    job = result.job
+    assert job is not None and not result.blocked
+    preset = PRESETS["mixtral-8x7b"]
+    m = job.model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_kv_heads, m.vocab_size,
+            m.rope_theta) == (preset.num_layers, preset.hidden_size, preset.ffn_hidden_size,
+                              preset.num_attention_heads, preset.num_kv_heads, preset.vocab_size, preset.rope_theta)
+    # Megatron's --moe-aux-loss-coeff 1e-2 is Hugging Face's (and heteroflow's) 1e-2 / top_k.
+    assert m.moe == replace(preset.moe, aux_loss_coeff=0.005)
+    assert [(s.layers, s.layout.tp, s.layout.dp, s.layout.ep, s.layout.etp, s.layout.zero)
+            for s in job.plan.stages] == [(8, 1, 8, 8, None, 1)] * 4
+    assert [s.devices for s in job.plan.stages] == [("node-0",), ("node-1",), ("node-2",), ("node-3",)]
+    assert entry(result, "--moe-grouped-gemm").disposition == "ignored"
+    for key in ("--num-experts", "--moe-router-topk", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
+                "--moe-token-dispatcher-type", "--expert-model-parallel-size"):
+        assert entry(result, key).disposition == "mapped", key
+    assert not [e for e in result.report.entries if e.disposition in ("unsupported", "unknown")]
+    assert "experts: etp 1 x ep 8 x expert-dp 1 per pipeline stage" in result.report.format()
+
+
+def test_mixtral_example_on_its_default_single_node_breaks_megatrons_expert_rule():
+    with pytest.raises(MegatronRuleError, match=r"world_size \(8\) is not divisible by "
+                                                r"expert_tensor_model_pipeline_parallel size \(32\)"):
+        import_megatron(MIXTRAL, ImportOptions(device_type="nvidia-h100-sxm",
+                                               script_args=("ckpt", "/models/Mixtral-8x7B/tokenizer.model", "/d")))
 
 
 # -- YAML ----------------------------------------------------------------------------------------

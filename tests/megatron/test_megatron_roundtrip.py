@@ -46,6 +46,22 @@ CASES = {
         {"micro_batch_size": 2, "stages": _stages([(["gpu-0:0-3"], 7, 2, 1), (["gpu-0:4-7"], 9, 2, 1),
                                                    (["gpu-1:0-3"], 9, 2, 1), (["gpu-1:4-7"], 7, 2, 1)],
                                                   cp=2, zero=2, offload={"optimizer": "cpu"})}),
+    "mixtral-8x7b tp1 pp2 dp8 ep8 zero1": (
+        dict(PRESETS["mixtral-8x7b"].to_dict(), seq_length=4096), TRAIN,
+        {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 16, 1, 8), (["gpu-1"], 16, 1, 8)], ep=8, zero=1)}),
+    "qwen3-30b-a3b ep4 etp2, top 8 of 128": (
+        dict(PRESETS["qwen3-30b-a3b"].to_dict(), seq_length=4096), TRAIN,
+        {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 24, 1, 8), (["gpu-1"], 24, 1, 8)], ep=4, etp=2)}),
+    "moe: dense first layers, every 2nd layer, gated shared expert, raw top-k": (
+        dict(PRESETS["llama2-7b"].to_dict(), num_layers=16, moe={
+            "num_experts": 16, "top_k": 3, "ffn_hidden_size": 1408, "normalize_top_k": False,
+            "shared_expert_ffn_hidden_size": 5632, "shared_expert_gate": True, "first_dense_layers": 3,
+            "layer_freq": 2, "aux_loss_coeff": 0.001}), TRAIN,
+        {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 8, 1, 8), (["gpu-1"], 8, 1, 8)], ep=2)}),
+    "moe: sigmoid scores, no aux loss": (
+        dict(PRESETS["llama2-7b"].to_dict(), num_layers=8, moe={
+            "num_experts": 8, "top_k": 2, "ffn_hidden_size": 2048, "score_function": "sigmoid"}), TRAIN,
+        {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 4, 1, 8), (["gpu-1"], 4, 1, 8)], ep=8)}),
 }
 
 
@@ -119,3 +135,19 @@ def test_differences_megatron_cannot_keep_become_notes():
                      "train": dict(train, micro_batch_size=4), "plan": dict(plan, schedule="gpipe")})
     notes = " ".join(export_megatron(job).notes)
     assert "rounded" in notes and "gpipe" in notes and "train.micro_batch_size 4 differs" in notes
+
+
+def test_moe_capacity_factor_round_trips_as_an_approximation(tmp_path):
+    model, train, plan = CASES["mixtral-8x7b tp1 pp2 dp8 ep8 zero1"]
+    moe = dict(model["moe"], capacity_factor=1.25)
+    job = _job(dict(model, moe=moe), train, plan)
+    script = tmp_path / "train.sh"
+    script.write_text(export_megatron(job).to_script())
+    assert "--moe-token-drop-policy position" in script.read_text()
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"cluster": TWO_NODES}))
+    result = import_megatron(script, ImportOptions(cluster=cluster))
+    assert result.job.model == job.model
+    # Which tokens over capacity Megatron drops is not guaranteed to be the latest (see moe.py).
+    assert {e.key for e in result.report.entries if e.disposition == "approximated"} == {
+        "--moe-expert-capacity-factor", "--moe-token-drop-policy"}
