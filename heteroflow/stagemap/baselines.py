@@ -2,7 +2,8 @@
 
 - `megatron_uniform`: what Megatron-LM can express: every device of the cluster, ranks in cluster order
   cut into p equal pipeline stages with an even layer split (p divides the layers), the same tp and dp on
-  every stage and the same sp / ZeRO / recompute / offload settings, 1F1B; the best such plan.
+  every stage and the same sp / ZeRO / recompute / offload settings (and, for a MoE model, the same ep and
+  etp: Megatron has one `--expert-model-parallel-size`), 1F1B; the best such plan.
 - `best_single_type`: the best plan the planner finds using devices of one type only (same search space).
 
 Both give each stage the precision the planner would (`space.stage_precisions`): `train.precision`, or on
@@ -24,7 +25,7 @@ from heteroflow.stagemap.options import coefficients
 from heteroflow.stagemap.estimate import boundary_times
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.layout import ParallelLayout, tp_valid
-from heteroflow.stagemap.layout import offload_allowed, searched
+from heteroflow.stagemap.layout import expert_choices, offload_allowed, searched
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time
 from heteroflow.stagemap.space import SearchOptions, layout_precision, micro_batch_sizes, stage_precisions
@@ -116,7 +117,8 @@ def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardwar
                    m: int, per_stage: int, options: SearchOptions) -> float:
     """step >= m * (F + B) of the slowest stage, each at its fastest layout (ZeRO 0/1, no recompute or offload)."""
     # ZeRO 0 is never slower per layer than ZeRO 1-3, so it bounds whichever stages are allowed.
-    fast = [lay for lay in (ParallelLayout(tp=tp, dp=dp, sp=sp) for sp in (False, True))
+    fast = [lay for lay in (ParallelLayout(tp=tp, dp=dp, sp=sp, ep=ep, etp=etp) for sp in (False, True)
+                            for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep))
             if searched(lay, job.model, micro_batch_size=mbs)]
     worst = 0.0
     for shape in set(shapes):
@@ -130,7 +132,8 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
                   recv: list[float], tp: int, dp: int, mbs: int, m: int, per_stage: int,
                   options: SearchOptions) -> tuple[float, PlanSpec] | None:
     """Best uniform layout for fixed stages, tp and dp."""
-    layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off)
+    layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off, ep=ep, etp=etp)
+               for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep)
                for sp in options.sp for z in options.zero for rc in options.recompute for off in options.offload]
     layouts = [lay for lay in layouts if searched(lay, job.model, micro_batch_size=mbs)]
     layouts = [lay for lay in layouts if offload_allowed(lay, offload_zero=options.offload_zero)]
