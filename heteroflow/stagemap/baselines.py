@@ -13,6 +13,7 @@ a device type that cannot train in it, the best of those it can.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -97,8 +98,9 @@ def megatron_uniform(job: JobConfig, hardware: Hardware, options: SearchOptions)
                     continue
                 if not all(_tp_inside_nodes(c, tp) for c in chunks):
                     continue
-                combos.append((_uniform_bound(job, hardware, shapes, tp, size // tp, mbs, m, layers // p, options),
-                               p, mbs, tp, chunks, shapes))
+                bound = _uniform_bound(job, hardware, shapes, tp, size // tp, mbs, m, layers // p, options)
+                if bound < math.inf:  # some layout exists (an ep option may leave none)
+                    combos.append((bound, p, mbs, tp, chunks, shapes))
     if not combos:
         return "no even split of the devices into stages keeps each stage on one device type"
     best: tuple[float, PlanSpec] | None = None
@@ -120,6 +122,8 @@ def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardwar
     fast = [lay for lay in (ParallelLayout(tp=tp, dp=dp, sp=sp, ep=ep, etp=etp) for sp in (False, True)
                             for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep))
             if searched(lay, job.model, micro_batch_size=mbs)]
+    if not fast:
+        return math.inf
     worst = 0.0
     for shape in set(shapes):
         rate = min(c.fwd_layer_s + c.bwd_layer_s for c in stage_costs_many(job.model, shape, _at(job, fast, shape),

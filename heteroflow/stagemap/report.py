@@ -24,7 +24,8 @@ class Baseline:
                "bubble_fraction": e.bubble_fraction, "schedule": e.plan.schedule,
                "micro_batch_size": e.plan.micro_batch_size, "num_devices": e.plan.num_devices,
                "stages": [{"device_type": s.device_type, "num_devices": s.num_devices, "layers": list(s.layers),
-                           "tp": s.layout.tp, "dp": s.layout.dp, "precision": s.precision} for s in e.stages]}
+                           "tp": s.layout.tp, "dp": s.layout.dp, "ep": s.layout.ep, "etp": s.layout.expert_tp,
+                           "precision": s.precision} for s in e.stages]}
         if self.reason:
             out["reason"] = self.reason
         return out
