@@ -344,7 +344,9 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     intra, intra_lat = dev.tp_link()
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
     expert_tp = tp if etp is None else etp
-    expert_dp_bw, expert_dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=expert_tp * ep, cp=1)
+    # etp * ep expert-dp rings run side by side; a node's NIC carries at most one per device of the node
+    expert_dp_bw, expert_dp_lat = dp_link(dev, hardware, single_node=hw.single_node,
+                                          tp=min(expert_tp * ep, hw.node_count), cp=1)
     alltoall_fwd = alltoall_bwd = 0.0
     if model.moe is not None:  # every block priced as a MoE block, like its compute (the costlier kind)
         sent = (alltoall_bytes_per_rank(model, tokens, tp=tp, ep=ep, etp=expert_tp, dtype_bytes=act)
