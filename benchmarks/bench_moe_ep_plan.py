@@ -2,7 +2,9 @@
 
 Run: `python benchmarks/bench_moe_ep_plan.py [--models mixtral-8x7b qwen3-30b-a3b] [--out FILE]`
 
-For each model and cluster (A100-80G + Ascend 910B + Hygon BW1000 nodes of 8) it searches:
+For each model, cluster (A100-80G + Ascend 910B + Hygon BW1000 nodes of 8) and layout space (what `heteroflow
+plan` searches, `RUNTIME_LAYOUTS`; and the same without ZeRO-3, where ep is the lever on expert memory) it
+searches:
 - the best plan, ep free per stage (etp in {1, tp});
 - the best plan with one ep on every stage, for each ep the model allows (`SearchOptions.ep`), keeping the best;
 - the `megatron_uniform` baseline (equal stages, one tp / dp / ep everywhere).
@@ -21,13 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heteroflow.config import PRESETS, parse_job  # noqa: E402
-from heteroflow.stagemap import SearchOptions, search_plan  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from heteroflow.stagemap import RUNTIME_LAYOUTS, search_plan  # noqa: E402
 
 TYPES = ("nvidia-a100-80g", "ascend-910b", "hygon-bw1000")
 CLUSTERS = {"24 (1+1+1 nodes)": (1, 1, 1), "32 (1+1+2 nodes)": (1, 1, 2), "64 (2+3+3 nodes)": (2, 3, 3)}
 """Nodes of 8 devices per device type (sizes where a uniform split into whole nodes exists for 32 or 48 layers,
 except Mixtral on 24)."""
 MAX_EP = 16
+SPACES = {"ZeRO 0-3": RUNTIME_LAYOUTS, "ZeRO 0-2": replace(RUNTIME_LAYOUTS, zero=(0, 1, 2), offload_zero=(0, 1, 2))}
 
 
 def job(model: str, nodes: tuple[int, int, int], global_batch_size: int):
@@ -46,21 +51,24 @@ def describe(estimate) -> str:
                      for s in estimate.stages)
 
 
-def run(model: str, cluster: str, nodes: tuple[int, int, int], global_batch_size: int) -> list[str]:
-    """The lines of one (model, cluster) row."""
+def run(model: str, cluster: str, nodes: tuple[int, int, int], global_batch_size: int, space: str,
+        summary: list[str]) -> list[str]:
+    """The lines of one (model, cluster, layout space) row; its ratios are appended to `summary`."""
     the_job = job(model, nodes, global_batch_size)
+    options = SPACES[space]
     start = time.perf_counter()
-    free = search_plan(the_job)
+    free = search_plan(the_job, options=options)
     free_s = time.perf_counter() - start
-    lines = [f"{model} on {cluster}, global batch {global_batch_size} (search {free_s:.1f} s)"]
+    lines = [f"{model} on {cluster}, {space}, global batch {global_batch_size} (search {free_s:.1f} s)"]
     if free.estimate is None:
         return lines + ["  no plan fits"]
     best = free.estimate.step_time_s
     lines.append(f"  per-stage ep: step {best:.3f} s  [{describe(free.estimate)}]")
     experts = PRESETS[model].moe.num_experts
-    pinned = {}
+    pinned: dict[int, object] = {}
+    one_ratio = uniform_ratio = "-"
     for ep in (e for e in range(1, MAX_EP + 1) if experts % e == 0):
-        one = search_plan(the_job, options=SearchOptions(ep=(ep,), include_megatron=False))
+        one = search_plan(the_job, options=replace(options, ep=(ep,), include_megatron=False))
         if one.estimate is not None:
             pinned[ep] = one.estimate
     if pinned:
@@ -68,13 +76,17 @@ def run(model: str, cluster: str, nodes: tuple[int, int, int], global_batch_size
         lines.append("  one ep everywhere: " + ", ".join(f"ep{e} {est.step_time_s:.3f} s"
                                                           for e, est in pinned.items()))
         lines.append(f"  best one-ep plan (ep{ep}): step {one.step_time_s:.3f} s  [{describe(one)}]")
-        lines.append(f"  ratio one-ep / per-stage: {one.step_time_s / best:.3f}x")
+        one_ratio = f"{one.step_time_s / best:.3f}x (ep{ep})"
+        lines.append(f"  ratio one-ep / per-stage: {one_ratio}")
     uniform = free.baselines["megatron_uniform"].estimate
     if uniform is not None:
         lines.append(f"  megatron_uniform: step {uniform.step_time_s:.3f} s  [{describe(uniform)}]")
-        lines.append(f"  ratio megatron_uniform / per-stage: {uniform.step_time_s / best:.3f}x")
+        uniform_ratio = f"{uniform.step_time_s / best:.3f}x"
+        lines.append(f"  ratio megatron_uniform / per-stage: {uniform_ratio}")
     else:
         lines.append(f"  megatron_uniform: none ({free.baselines['megatron_uniform'].reason})")
+    eps = "/".join(str(s.layout.ep) for s in free.estimate.stages)
+    summary.append(f"| {model} | {cluster} | {space} | {eps} | {one_ratio} | {uniform_ratio} |")
     return lines
 
 
@@ -87,11 +99,16 @@ def main() -> None:
     out = [f"bench_moe_ep_plan: predicted step times (cost model, no training); load average at start "
            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"]
     print(out[0], flush=True)
+    summary = ["", "| model | devices | space | ep per stage | best one-ep / per-stage | megatron_uniform / per-stage |",
+               "|---|---|---|---|---|---|"]
     for model in args.models:
         for cluster, nodes in CLUSTERS.items():
-            lines = run(model, cluster, nodes, args.global_batch_size)
-            print("\n".join(lines), flush=True)
-            out += lines
+            for space in SPACES:
+                lines = run(model, cluster, nodes, args.global_batch_size, space, summary)
+                print("\n".join(lines), flush=True)
+                out += lines
+    print("\n".join(summary))
+    out += summary
     out.append(f"load average at end {os.getloadavg()[0]:.1f}")
     print(out[-1])
     if args.out:

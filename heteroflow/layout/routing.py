@@ -25,8 +25,8 @@ def dispatched_tokens(tokens: float, *, tp: int, etp: int) -> float:
 
 def routed_pairs_per_rank(model: ModelShape, tokens: float, *, tp: int, etp: int) -> float:
     """(token, expert) pairs one rank's local experts compute per MoE layer and micro-batch under uniform routing:
-    every ep rank sends each local expert top_k / num_experts of its tokens, so ep ranks x their tokens x top_k
-    over ep ranks' worth of experts leaves `dispatched_tokens * top_k` (each at width ffn_hidden_size / etp)."""
+    each of the ep ranks sends each of its num_experts / ep local experts top_k / num_experts of its dispatched
+    tokens, `dispatched_tokens * top_k` in all (each at width ffn_hidden_size / etp)."""
     return dispatched_tokens(tokens, tp=tp, etp=etp) * model.moe.top_k
 
 
