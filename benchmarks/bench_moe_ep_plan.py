@@ -3,7 +3,7 @@
 Run: `python benchmarks/bench_moe_ep_plan.py [--models mixtral-8x7b qwen3-30b-a3b] [--out FILE]`
 
 For each model, cluster (A100-80G + Ascend 910B + Hygon BW1000 nodes of 8) and layout space (what `heteroflow
-plan` searches, `RUNTIME_LAYOUTS`; and the same without ZeRO-3, where ep is the lever on expert memory) it
+plan` searches, `RUNTIME_LAYOUTS` with expert parallelism; and the same without ZeRO-3, where ep is the lever on expert memory) it
 searches:
 - the best plan, ep free per stage (etp in {1, tp});
 - the best plan with one ep on every stage, for each ep the model allows (`SearchOptions.ep`), keeping the best;
@@ -32,7 +32,9 @@ CLUSTERS = {"24 (1+1+1 nodes)": (1, 1, 1), "32 (1+1+2 nodes)": (1, 1, 2), "64 (2
 """Nodes of 8 devices per device type (sizes where a uniform split into whole nodes exists for 32 or 48 layers,
 except Mixtral on 24)."""
 MAX_EP = 16
-SPACES = {"ZeRO 0-3": RUNTIME_LAYOUTS, "ZeRO 0-2": replace(RUNTIME_LAYOUTS, zero=(0, 1, 2), offload_zero=(0, 1, 2))}
+PLAN_SPACE = replace(RUNTIME_LAYOUTS, expert_parallel=True)
+"""What `heteroflow plan` searches once the runtime runs expert parallelism."""
+SPACES = {"ZeRO 0-3": PLAN_SPACE, "ZeRO 0-2": replace(PLAN_SPACE, zero=(0, 1, 2))}
 
 
 def job(model: str, nodes: tuple[int, int, int], global_batch_size: int):

@@ -120,7 +120,8 @@ def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardwar
     """step >= m * (F + B) of the slowest stage, each at its fastest layout (ZeRO 0/1, no recompute or offload)."""
     # ZeRO 0 is never slower per layer than ZeRO 1-3, so it bounds whichever stages are allowed.
     fast = [lay for lay in (ParallelLayout(tp=tp, dp=dp, sp=sp, ep=ep, etp=etp) for sp in (False, True)
-                            for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep))
+                            for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep,
+                                                          expert_parallel=options.expert_parallel))
             if searched(lay, job.model, micro_batch_size=mbs)]
     if not fast:
         return math.inf
@@ -137,7 +138,8 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
                   options: SearchOptions) -> tuple[float, PlanSpec] | None:
     """Best uniform layout for fixed stages, tp and dp."""
     layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off, ep=ep, etp=etp)
-               for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep)
+               for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep,
+                                             expert_parallel=options.expert_parallel)
                for sp in options.sp for z in options.zero for rc in options.recompute for off in options.offload]
     layouts = [lay for lay in layouts if searched(lay, job.model, micro_batch_size=mbs)]
     layouts = [lay for lay in layouts if offload_allowed(lay, offload_zero=options.offload_zero)]

@@ -27,13 +27,13 @@ def tp_choices(model: ModelSpec, num_devices: int, node_count: int) -> list[int]
             if num_devices % t == 0 and (num_devices <= node_count or node_count % t == 0) and tp_valid(model, t)]
 
 
-def expert_choices(model: ModelSpec, *, tp: int, num_devices: int,
-                   ep: tuple[int, ...] | None = None) -> list[tuple[int, int | None]]:
+def expert_choices(model: ModelSpec, *, tp: int, num_devices: int, ep: tuple[int, ...] | None = None,
+                   expert_parallel: bool = True) -> list[tuple[int, int | None]]:
     """The expert layouts `(ep, etp)` searched for a stage of `num_devices` devices at `tp`: none but (1, None) for
-    a dense model; for a MoE model every ep that divides the experts (and is in `ep`, when given), with etp = tp
-    (None) or, when tp > 1, etp = 1 (experts whole, more ranks in the ep group), where etp * ep divides the
-    stage's devices."""
-    if model.moe is None:
+    a dense model or without `expert_parallel`; for a MoE model every ep that divides the experts (and is in `ep`,
+    when given), with etp = tp (None) or, when tp > 1, etp = 1 (experts whole, more ranks in the ep group), where
+    etp * ep divides the stage's devices."""
+    if model.moe is None or not expert_parallel:
         return [(1, None)]
     out: list[tuple[int, int | None]] = []
     for etp in ((None, 1) if tp > 1 else (None,)):
@@ -55,14 +55,15 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
                    zero: tuple[int, ...] = (0, 1, 2, 3), recompute: tuple[str, ...] = ("none", "selective", "full"),
                    offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES, sp: tuple[bool, ...] = (False, True),
                    offload_zero: tuple[int, ...] | None = None, precision: str | None = None,
-                   ep: tuple[int, ...] | None = None) -> list[ParallelLayout]:
+                   ep: tuple[int, ...] | None = None, expert_parallel: bool = True) -> list[ParallelLayout]:
     """Every layout the planner considers for a stage of `num_devices` devices (cp = 1), each with
     `precision`; `offload_zero` as in `offload_allowed`; a MoE model's with each of its `expert_choices` (ep in
-    `ep`, when given)."""
+    `ep`, when given; none but ep 1 without `expert_parallel`)."""
     out = []
     for tp in tp_choices(model, num_devices, node_count):
         dp = num_devices // tp
-        for expert_ep, etp in expert_choices(model, tp=tp, num_devices=num_devices, ep=ep):
+        for expert_ep, etp in expert_choices(model, tp=tp, num_devices=num_devices, ep=ep,
+                                             expert_parallel=expert_parallel):
             for use_sp in sp:
                 for z in zero:
                     for rc in recompute:

@@ -47,16 +47,19 @@ class SearchOptions:
     sp: tuple[bool, ...] = (False, True)
     device_types: tuple[str, ...] | None = None
     """Only these device types (None: all)."""
+    expert_parallel: bool = True
+    """Search a MoE model's expert layouts (ep > 1, etp other than tp); False: experts follow tp (ep 1)."""
     ep: tuple[int, ...] | None = None
     """Only these expert-parallel degrees for a MoE model's stages (None: every one `layout.expert_choices` allows)."""
     include_megatron: bool = True
     """Also consider the megatron_uniform plan (which may fall outside the template space)."""
 
 
-RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0, 1, 2))
+RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0, 1, 2), expert_parallel=False)
 """The layouts `heteroflow train` runs: ZeRO 0-3 and every offload tier (parameters with any tp), with optimizer
 state off the device under ZeRO 0, 1 and 2 (ZeRO 1/2: ZeRO-Offload) and parameters off it under ZeRO 0 only
-(`layout.searched`: with dp > 1 the planner offloads them only under ZeRO-3, not run).
+(`layout.searched`: with dp > 1 the planner offloads them only under ZeRO-3, not run); experts following tp
+(`launcher.prepare.check_runnable` refuses ep and etp until the runtime runs them; then set `expert_parallel`).
 `heteroflow plan` and `plan: auto` search these; `heteroflow plan --all-layouts` the whole priced space."""
 
 @dataclass(frozen=True, slots=True)
@@ -174,4 +177,4 @@ def layouts_for(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: i
     return search_layouts(job.model, num_devices=size, node_count=cls.node_count, micro_batch_size=micro_batch_size,
                           zero=options.zero, recompute=options.recompute, offload=options.offload, sp=options.sp,
                           offload_zero=options.offload_zero, precision=layout_precision(job, cls.precision),
-                          ep=options.ep)
+                          ep=options.ep, expert_parallel=options.expert_parallel)

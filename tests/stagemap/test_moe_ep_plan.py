@@ -8,11 +8,12 @@ import json
 import pytest
 
 from heteroflow.config import parse_job
+from heteroflow.launcher.prepare import check_runnable
 from heteroflow.stagemap import evaluate_plan
 from heteroflow.stagemap.api import search_plan
 from heteroflow.stagemap.breakdown import PARTS
 from heteroflow.stagemap.report import format_report
-from heteroflow.stagemap.space import SearchOptions
+from heteroflow.stagemap.space import RUNTIME_LAYOUTS, SearchOptions
 
 MIXED = {"inter_node_gb_per_s": 25,
          "nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 8},
@@ -76,3 +77,9 @@ def test_plan_json_and_text_show_the_expert_layout(mixtral_report):
     text = format_report(mixtral_report)
     assert any(f"ep{s.layout.ep}" in text for s in mixtral_report.estimate.stages if s.layout.ep > 1)
     assert "all-to-all" in text
+
+
+def test_plan_auto_keeps_experts_on_tp_until_the_runtime_runs_ep():
+    report = search_plan(_mixtral(), options=RUNTIME_LAYOUTS)
+    assert {(s.layout.ep, s.layout.etp) for s in report.estimate.stages} == {(1, None)}
+    check_runnable(report.plan)  # what `train` with `plan: auto` would run
