@@ -10,6 +10,9 @@ from heteroflow.config.reader import REQUIRED, Problems, Section
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 NUM_EXPERTS = limits.integers(1, 1 << 16)
 """`model.moe.num_experts` (published models have up to a few hundred)."""
+DEFAULT_LOAD_IMBALANCE = 1.1
+"""A planning assumption, not a measurement: a router trained with a load-balancing loss keeps its ep ranks'
+loads near the mean; set `load_imbalance` from a run's routed-token counts where they are known."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +42,9 @@ class MoESpec:
     capacity_factor: float | None = None
     """None is dropless; otherwise each expert takes at most ceil(factor * tokens * top_k / num_experts)
     tokens per micro-batch share, in token order, and drops the rest (they pass through the residual)."""
+    load_imbalance: float = DEFAULT_LOAD_IMBALANCE
+    """Planning only: the busiest ep rank's tokens over the mean (max-over-mean load) that expert work and the
+    all-to-all are priced at under expert parallelism (`layout.routing.load_allowance`); 1.0 is perfect balance."""
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` has the MoE FFN."""
@@ -74,11 +80,13 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
         "aux_loss_coeff": sec.number("aux_loss_coeff", default("aux_loss_coeff", 0.0), minimum=0.0, maximum=1e3),
         "capacity_factor": sec.number("capacity_factor", default("capacity_factor", None), positive=True,
                                       maximum=1e3),
+        "load_imbalance": sec.number("load_imbalance", default("load_imbalance", DEFAULT_LOAD_IMBALANCE),
+                                     minimum=1.0, maximum=1e3),
     }
     sec.finish()
     if not sec.valid or any(fields[n] is None for n in ("num_experts", "top_k", "ffn_hidden_size",
                                                         "score_function", "normalize_top_k", "layer_freq",
-                                                        "first_dense_layers", "aux_loss_coeff",
+                                                        "first_dense_layers", "aux_loss_coeff", "load_imbalance",
                                                         "shared_expert_ffn_hidden_size", "shared_expert_gate")):
         return None
     spec = MoESpec(**fields)

@@ -1,7 +1,11 @@
 """The layout core: torch-free values and rules that the planner and the runtime share.
 
-- `parallel`: `ParallelLayout` (a stage's tp / cp / dp / sp / ZeRO / recompute / offload) and its validity rules;
-- `shards`: what one rank of a layout holds (heads, kv heads, parameters) and which copy of a value counts once;
+- `parallel`: `ParallelLayout` (a stage's tp / cp / dp / sp / ZeRO / recompute / offload / ep / etp) and its validity
+  rules;
+- `shards`: what one rank of a layout holds (heads, kv heads, parameters, local experts) and which copy of a value
+  counts once;
+- `routing`: what mixture-of-experts routing moves per rank (dispatched tokens, routed pairs, all-to-all bytes) and
+  the load allowance they are priced at;
 - `schedule`: the pipeline schedules as per-stage action lists;
 - `state`: the bytes per parameter of a stage's training state (optimizer and planner alike).
 """

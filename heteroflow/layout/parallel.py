@@ -28,6 +28,8 @@ class MoEShape(Protocol):
     ffn_hidden_size: int
     shared_expert_ffn_hidden_size: int
     shared_expert_gate: bool
+    capacity_factor: float | None
+    load_imbalance: float
 
 
 class ModelShape(Protocol):

@@ -32,38 +32,68 @@ def mlp_matrices(model: ModelShape) -> int:
 
 
 def active_ffn_width(model: ModelShape) -> int:
-    """FFN inner width one token goes through in a block, for compute and activations: `ffn_hidden_size`, or in
-    a mixture-of-experts model the larger of it and top_k routed experts plus the shared expert (so a model
-    with some dense layers is priced at its costlier layer kind; routing itself is not priced yet)."""
+    """FFN inner width one token goes through in a block, for activations and model FLOPs: `ffn_hidden_size`, or
+    in a mixture-of-experts model the larger of it and top_k routed experts plus the shared expert (so a model
+    with some dense layers is priced at its costlier layer kind)."""
     moe = model.moe
     if moe is None:
         return model.ffn_hidden_size
     return max(model.ffn_hidden_size, moe.top_k * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size)
 
 
-def mlp_params_per_rank(model: ModelShape, tp: int) -> float:
-    """Parameters of one block's FFN on one tp rank, every expert counted (memory, gradients, optimizer):
-    the dense MLP, or the larger of it and a MoE layer (experts and shared expert split over tp, the router
-    and the shared expert's gate whole on every rank)."""
-    dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
+def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The global indices of the routed experts ep rank `ep_rank` holds: a contiguous 1/ep of them (Megatron-core's
+    placement)."""
+    per_rank = num_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def routed_expert_params_per_rank(model: ModelShape, *, ep: int = 1, etp: int = 1) -> float:
+    """Parameters of one MoE layer's routed experts on one rank: its num_experts / ep local experts (SwiGLU, three
+    h x f matrices each), every matrix split over the expert tensor-parallel degree `etp`."""
     moe = model.moe
-    if moe is None:
+    return 3 * model.hidden_size * moe.ffn_hidden_size * (moe.num_experts // ep) / etp if moe is not None else 0.0
+
+
+def _moe_ffn_params_per_rank(model: ModelShape, tp: int, ep: int, etp: int) -> tuple[float, float]:
+    """(outside the routed experts, routed experts) of one MoE layer's FFN on one rank: the shared expert split
+    over tp, the router and the shared expert's gate whole on every rank, the local experts split over etp."""
+    moe, h = model.moe, model.hidden_size
+    outside = 3 * h * moe.shared_expert_ffn_hidden_size / tp + moe.num_experts * h + (h if moe.shared_expert_gate else 0)
+    return outside, routed_expert_params_per_rank(model, ep=ep, etp=etp)
+
+
+def mlp_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
+    """Parameters of one block's FFN on one rank, every local expert counted (memory, gradients, optimizer):
+    the dense MLP split over tp, or the larger of it and a MoE layer (`_moe_ffn_params_per_rank` under expert
+    parallelism `ep` and expert tensor parallelism `etp`, None: tp)."""
+    dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
+    if model.moe is None:
         return dense
-    h = model.hidden_size
-    experts = 3 * h * (moe.num_experts * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size) / tp
-    return max(dense, experts + moe.num_experts * h + (h if moe.shared_expert_gate else 0))
+    return max(dense, sum(_moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp)))
 
 
-def layer_params_per_rank(model: ModelShape, tp: int) -> float:
-    """Parameters of one transformer block that one tp rank holds (kv counted at its local heads; every expert
-    of a MoE block, see `mlp_params_per_rank`)."""
+def expert_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
+    """The routed experts' share of `layer_params_per_rank`: the parameters whose gradients are reduced (and whose
+    ZeRO state is sharded) over the expert-dp group rather than dp; 0 for a dense model, or when a dense layer
+    is the costlier kind the block is priced at."""
+    if model.moe is None:
+        return 0.0
+    outside, routed = _moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp)
+    dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
+    return routed if outside + routed >= dense else 0.0
+
+
+def layer_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
+    """Parameters of one transformer block that one rank holds (kv counted at its local heads; every local expert
+    of a MoE block under `ep` and `etp`, see `mlp_params_per_rank`)."""
     h, d = model.hidden_size, model.kv_channels
     q_loc, kv_loc = heads_per_rank(model, tp), kv_heads_per_rank(model, tp)
     attn = 2 * h * q_loc * d + 2 * h * kv_loc * d
     if model.qkv_bias:
         attn += (q_loc + 2 * kv_loc) * d
     norms = 2 * h * (2 if model.normalization == "layernorm" else 1) + (2 * d if model.qk_norm else 0)
-    return attn + mlp_params_per_rank(model, tp) + norms
+    return attn + mlp_params_per_rank(model, tp, ep=ep, etp=etp) + norms
 
 
 def embedding_params_per_rank(model: ModelShape, tp: int) -> float:

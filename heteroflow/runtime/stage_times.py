@@ -20,7 +20,8 @@ MEASURED = (*PARTS, "other_s", "step_s")
 PREDICTED = (*PARTS, "step_s")
 """The keys of a stage's `predicted` figures (`stagemap.breakdown`); the parts sum to `step_s`."""
 
-TIMER_PARTS = {"forward": "forward_s", "backward": "backward_s", "collective": "collective_s", "wait": "wait_s",
+TIMER_PARTS = {"forward": "forward_s", "backward": "backward_s", "collective": "collective_s",
+               "alltoall": "alltoall_s", "wait": "wait_s",
                "dp": "dp_s", "optimizer": "optimizer_s", "sync": "sync_s"}
 """`PartTimer` part name -> record key."""
 

@@ -2,7 +2,8 @@
 
 - `megatron_uniform`: what Megatron-LM can express: every device of the cluster, ranks in cluster order
   cut into p equal pipeline stages with an even layer split (p divides the layers), the same tp and dp on
-  every stage and the same sp / ZeRO / recompute / offload settings, 1F1B; the best such plan.
+  every stage and the same sp / ZeRO / recompute / offload settings (and, for a MoE model, the same ep and
+  etp: Megatron has one `--expert-model-parallel-size`), 1F1B; the best such plan.
 - `best_single_type`: the best plan the planner finds using devices of one type only (same search space).
 
 Both give each stage the precision the planner would (`space.stage_precisions`): `train.precision`, or on
@@ -12,6 +13,7 @@ a device type that cannot train in it, the best of those it can.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -24,7 +26,7 @@ from heteroflow.stagemap.options import coefficients
 from heteroflow.stagemap.estimate import boundary_times
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.layout import ParallelLayout, tp_valid
-from heteroflow.stagemap.layout import offload_allowed, searched
+from heteroflow.stagemap.layout import expert_choices, offload_allowed, searched
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.pipeline import in_flight, pipeline_time
 from heteroflow.stagemap.space import SearchOptions, layout_precision, micro_batch_sizes, stage_precisions
@@ -96,8 +98,9 @@ def megatron_uniform(job: JobConfig, hardware: Hardware, options: SearchOptions)
                     continue
                 if not all(_tp_inside_nodes(c, tp) for c in chunks):
                     continue
-                combos.append((_uniform_bound(job, hardware, shapes, tp, size // tp, mbs, m, layers // p, options),
-                               p, mbs, tp, chunks, shapes))
+                bound = _uniform_bound(job, hardware, shapes, tp, size // tp, mbs, m, layers // p, options)
+                if bound < math.inf:  # some layout exists (an ep option may leave none)
+                    combos.append((bound, p, mbs, tp, chunks, shapes))
     if not combos:
         return "no even split of the devices into stages keeps each stage on one device type"
     best: tuple[float, PlanSpec] | None = None
@@ -116,8 +119,12 @@ def _uniform_bound(job: JobConfig, hardware: Hardware, shapes: list[StageHardwar
                    m: int, per_stage: int, options: SearchOptions) -> float:
     """step >= m * (F + B) of the slowest stage, each at its fastest layout (ZeRO 0/1, no recompute or offload)."""
     # ZeRO 0 is never slower per layer than ZeRO 1-3, so it bounds whichever stages are allowed.
-    fast = [lay for lay in (ParallelLayout(tp=tp, dp=dp, sp=sp) for sp in (False, True))
+    fast = [lay for lay in (ParallelLayout(tp=tp, dp=dp, sp=sp, ep=ep, etp=etp) for sp in (False, True)
+                            for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep,
+                                                          expert_parallel=options.expert_parallel))
             if searched(lay, job.model, micro_batch_size=mbs)]
+    if not fast:
+        return math.inf
     worst = 0.0
     for shape in set(shapes):
         rate = min(c.fwd_layer_s + c.bwd_layer_s for c in stage_costs_many(job.model, shape, _at(job, fast, shape),
@@ -130,7 +137,9 @@ def _best_uniform(job: JobConfig, hardware: Hardware, shapes: list[StageHardware
                   recv: list[float], tp: int, dp: int, mbs: int, m: int, per_stage: int,
                   options: SearchOptions) -> tuple[float, PlanSpec] | None:
     """Best uniform layout for fixed stages, tp and dp."""
-    layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off)
+    layouts = [ParallelLayout(tp=tp, dp=dp, sp=sp, zero=z, recompute=rc, offload=off, ep=ep, etp=etp)
+               for ep, etp in expert_choices(job.model, tp=tp, num_devices=tp * dp, ep=options.ep,
+                                             expert_parallel=options.expert_parallel)
                for sp in options.sp for z in options.zero for rc in options.recompute for off in options.offload]
     layouts = [lay for lay in layouts if searched(lay, job.model, micro_batch_size=mbs)]
     layouts = [lay for lay in layouts if offload_allowed(lay, offload_zero=options.offload_zero)]

@@ -6,6 +6,8 @@ parts the runtime measures (`runtime.timing`), so that a metrics record can set 
 
 - `forward_s`, `backward_s`: compute of its micro-batches' forwards and backwards (loss included);
 - `collective_s`: the exposed tp collectives inside them (the cp ring is priced as overlapped with attention);
+- `alltoall_s`: a MoE stage's token all-to-alls inside them (dispatch and combine over the ep group; the
+  runtime's `PartTimer` part `alltoall`);
 - `wait_s`: the rest of the pipeline's makespan, in which the stage waits on its neighbours: boundary
   transfers and the pipeline bubble;
 - `dp_s`: the dp gradient reduction after the flush; `optimizer_s`: the optimizer step (with ZeRO's parameter
@@ -23,7 +25,7 @@ from dataclasses import dataclass, fields
 from heteroflow.stagemap.costs import MicroBatchParts
 from heteroflow.stagemap.pipeline import pipeline_time, run_shared, shared_ends
 
-PARTS = ("forward_s", "backward_s", "collective_s", "wait_s", "dp_s", "optimizer_s", "sync_s")
+PARTS = ("forward_s", "backward_s", "collective_s", "alltoall_s", "wait_s", "dp_s", "optimizer_s", "sync_s")
 """The parts of a stage's step time, in the order tables show them."""
 
 
@@ -34,6 +36,7 @@ class StageTimes:
     forward_s: float
     backward_s: float
     collective_s: float
+    alltoall_s: float
     wait_s: float
     dp_s: float
     optimizer_s: float
@@ -65,8 +68,8 @@ def step_breakdown(parts: list[MicroBatchParts], recv_forward: list[float], recv
     before each forward and `recv_backward[k]` before each backward, under `schedule`. `shared=(threads, cores)`:
     stage k's ranks keep `threads[k]` threads busy and all share `cores` cores (emulation)."""
     m = num_micro_batches
-    fwd = [p.forward_s + p.forward_comm_s + r for p, r in zip(parts, recv_forward)]
-    bwd = [p.backward_s + p.backward_comm_s + r for p, r in zip(parts, recv_backward)]
+    fwd = [p.forward_s + p.forward_comm_s + p.forward_alltoall_s + r for p, r in zip(parts, recv_forward)]
+    bwd = [p.backward_s + p.backward_comm_s + p.backward_alltoall_s + r for p, r in zip(parts, recv_backward)]
     tails = [p.dp_s + p.optimizer_s for p in parts]
     if shared is not None:
         threads, cores = shared
@@ -81,9 +84,11 @@ def step_breakdown(parts: list[MicroBatchParts], recv_forward: list[float], recv
     for k, p in enumerate(parts):
         f, b = _scale(fwd_wall[k], fwd[k]), _scale(bwd_wall[k], bwd[k])
         t = _scale(tail_wall[k], tails[k])
-        busy = (p.forward_s + p.forward_comm_s) * f + (p.backward_s + p.backward_comm_s) * b
+        busy = ((p.forward_s + p.forward_comm_s + p.forward_alltoall_s) * f
+                + (p.backward_s + p.backward_comm_s + p.backward_alltoall_s) * b)
         stages.append(StageTimes(forward_s=p.forward_s * f, backward_s=p.backward_s * b,
                                  collective_s=p.forward_comm_s * f + p.backward_comm_s * b,
+                                 alltoall_s=p.forward_alltoall_s * f + p.backward_alltoall_s * b,
                                  wait_s=pipe - busy, dp_s=p.dp_s * t, optimizer_s=p.optimizer_s * t,
                                  sync_s=step - pipe - tail_wall[k]))
     return StepBreakdown(pipeline_s=pipe, step_s=step, stages=tuple(stages))

@@ -7,6 +7,9 @@ Assumptions (documented, used everywhere):
   with a profile that measured all-reduces, collectives inside a node use those figures instead.
 - A DP group inside one node uses the intra-node link; one that spans nodes is a ring through the nodes'
   NICs, which the tp * cp concurrent DP rings of the stage share.
+- An all-to-all (a MoE layer's token dispatch and combine inside the stage's ep group) sends each rank's bytes for
+  the other ep ranks directly, one exchange per peer. Inside a node it runs on the intra-node link; an ep group
+  spanning nodes sends the share bound for other nodes through the NIC, which the node's ranks share.
 - The boundary transfer moves one micro-batch's hidden states (micro_batch_size x seq x hidden) forward and
   the same amount of gradient backward, both in the dtype of the stage that sends the hidden states (the
   earlier one; `estimate.boundary_times`). Its time depends only on the hardware of the two stages, never on
@@ -42,6 +45,31 @@ def dp_link(device: DeviceModel, hardware: Hardware, *, single_node: bool, tp: i
         return gb_per_s * device.dp_comm_efficiency, latency_s
     gb_per_s = min(device.intra_node_gb_per_s, hardware.inter_node_gb_per_s / (tp * cp))
     return gb_per_s * device.dp_comm_efficiency, hardware.inter_latency_s
+
+
+def all_to_all_s(num_bytes: float, n: int, gb_per_s: float, latency_s: float) -> float:
+    """All-to-all over `n` ranks in which each rank sends `num_bytes` in all to the others."""
+    if n <= 1 or num_bytes <= 0:
+        return 0.0
+    return num_bytes / (gb_per_s * 1e9) + (n - 1) * latency_s
+
+
+def ep_alltoall_s(num_bytes: float, device: DeviceModel, hardware: Hardware, *, ep: int, etp: int,
+                  node_count: int, single_node: bool) -> float:
+    """One all-to-all of a stage's ep group, `num_bytes` sent per rank (spread evenly over the other ep ranks).
+    The group's ranks are etp apart (`ParallelLayout.expert_dp` folding), so it spans etp * ep consecutive ranks:
+    inside one node when that fits in a node (`node_count` devices) or the stage has one node; otherwise the
+    bytes for peers on other nodes cross the NIC, which all `node_count` ranks of a node share."""
+    if ep <= 1 or num_bytes <= 0:
+        return 0.0
+    intra_gb_per_s, intra_latency_s = device.tp_link()
+    if single_node or hardware.emulate or etp * ep <= node_count:
+        return all_to_all_s(num_bytes, ep, intra_gb_per_s, intra_latency_s)
+    peers_on_node = node_count // etp - 1
+    off_node = num_bytes * (ep - 1 - peers_on_node) / (ep - 1)
+    nic_gb_per_s = hardware.inter_node_gb_per_s / node_count
+    return ((num_bytes - off_node) / (intra_gb_per_s * 1e9) + off_node / (nic_gb_per_s * 1e9)
+            + peers_on_node * intra_latency_s + (ep - 1 - peers_on_node) * hardware.inter_latency_s)
 
 
 def boundary_s(num_bytes: float, hardware: Hardware, *, sender: DeviceModel, receiver: DeviceModel,

@@ -3,7 +3,9 @@
 Per layer and token (h hidden, f MLP width, a query heads, k kv heads, d head width, s sequence):
 - projections: q and o are h x (a d), k and v are h x (k d): 2 (2 a d + 2 k d) h FLOPs forward;
 - attention core (flash attention, causal): QK^T and PV over s/2 keys on average: 2 s a d FLOPs;
-- MLP: SwiGLU has three h x f matrices (6 h f FLOPs), GELU two (4 h f);
+- MLP: SwiGLU has three h x f matrices (6 h f FLOPs), GELU two (4 h f); a MoE block its router, shared expert
+  and the routed experts' GEMMs on the (token, expert) pairs a device's local experts get (`ffn_gemm_s`), plus
+  the routing's memory traffic (`routing_bytes`);
 - LM head (last stage): 2 h V; embedding lookup (first stage): memory traffic only.
 Backward costs 2x the forward for GEMMs (input and weight gradients), 2.5x for the attention core (flash
 attention recomputes the probabilities) and 2x the memory traffic of elementwise kernels (norms, residual
@@ -20,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from heteroflow.config.model import ModelSpec
+from heteroflow.layout.routing import load_allowance, routed_pairs_per_rank
 from heteroflow.layout.shards import active_ffn_width, kv_heads_per_rank, mlp_matrices
 from heteroflow.stagemap.hardware import DeviceModel
 
@@ -32,6 +35,8 @@ NORM_PASSES = {"rmsnorm": 7, "layernorm": 2}
 (read), times the reciprocal root (read, write), times the weight (read, write); LayerNorm: one fused kernel."""
 ROPE_PASSES = 10
 """Per query or key element: rotate-half (negate half, concatenate), x * cos, rotated * sin, their sum."""
+ROUTER_PASSES = 5
+"""Reads and writes per router score: cast to fp32 (read, write), softmax or sigmoid (read, write), top-k (read)."""
 LOSS_BYTES_PER_LOGIT = 12
 """Cross-entropy traffic per logit: read the bf16 logits, write and re-read fp32 probabilities."""
 
@@ -86,17 +91,55 @@ class LayerCompute:
     """The host-side cost of the backward (measured, or twice the forward's launches)."""
 
 
+def ffn_gemm_s(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int, dtype_bytes: int, ep: int = 1,
+               etp: int | None = None) -> float:
+    """Forward GEMM seconds of one block's FFN on one device: the dense MLP split over tp, or the larger of it and
+    a MoE layer (the costlier kind, as `layout.shards` counts parameters).
+
+    A MoE layer runs the router (h x num_experts, on every token of the device), the shared expert split over tp,
+    and each of its num_experts / ep local experts on its share of the routed (token, expert) pairs
+    (`layout.routing.routed_pairs_per_rank`) at width ffn_hidden_size / etp, one GEMM per expert: more ep gives
+    each expert more tokens. The pairs are scaled by the load allowance (`layout.routing.load_allowance`)."""
+    h = model.hidden_size
+    up = 2 if model.activation == "swiglu" else 1
+
+    def ffn(rows: float, width: float) -> float:
+        return dev.gemm_s(rows, up * width, h, dtype_bytes) + dev.gemm_s(rows, h, width, dtype_bytes) if width else 0.0
+
+    dense = ffn(tokens, model.ffn_hidden_size / tp)
+    moe = model.moe
+    if moe is None:
+        return dense
+    etp = tp if etp is None else etp
+    local = moe.num_experts // ep
+    pairs = routed_pairs_per_rank(model, tokens, tp=tp, etp=etp) * load_allowance(moe, ep)
+    routed = local * ffn(pairs / local, moe.ffn_hidden_size / etp)
+    shared = ffn(tokens, moe.shared_expert_ffn_hidden_size / tp)
+    return max(dense, dev.gemm_s(tokens, moe.num_experts, h, dtype_bytes) + shared + routed)
+
+
+def routing_bytes(model: ModelSpec, *, tokens: float, tp: int, dtype_bytes: int, etp: int | None = None) -> float:
+    """Memory traffic of one MoE layer's routing on one device, forward: the fp32 router scores (cast, softmax or
+    sigmoid, top-k: `ROUTER_PASSES` per score) and the token permutation (gather each routed pair's hidden
+    state, then read it back weighted into the combine, writing each token once); 0 for a dense model."""
+    moe = model.moe
+    if moe is None:
+        return 0.0
+    pairs = routed_pairs_per_rank(model, tokens, tp=tp, etp=tp if etp is None else etp)
+    h = model.hidden_size
+    return tokens * moe.num_experts * ROUTER_PASSES * 4 + dtype_bytes * h * (3 * pairs + tokens)
+
+
 def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int, sp: bool,
-                  dtype_bytes: int) -> LayerCompute:
+                  dtype_bytes: int, ep: int = 1, etp: int | None = None) -> LayerCompute:
     """Forward compute of one block for `tokens` tokens on one device of a tp group (and the backward's
-    attention and host overhead, which do not follow the 2x rule when measured)."""
+    attention and host overhead, which do not follow the 2x rule when measured); a MoE block under the expert
+    layout `ep`, `etp` (the all-to-all is communication, priced in `costs`)."""
     h, d, s = model.hidden_size, model.kv_channels, model.seq_length
     q_dim = model.num_attention_heads // tp * d
     kv_dim = kv_heads_per_rank(model, tp) * d
-    f_loc = active_ffn_width(model) / tp
-    up = 2 if model.activation == "swiglu" else 1
     gemm = (dev.gemm_s(tokens, q_dim + 2 * kv_dim, h, dtype_bytes) + dev.gemm_s(tokens, h, q_dim, dtype_bytes)
-            + dev.gemm_s(tokens, up * f_loc, h, dtype_bytes) + dev.gemm_s(tokens, h, f_loc, dtype_bytes))
+            + ffn_gemm_s(model, dev, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes, ep=ep, etp=etp))
     attn_flops = 2.0 * tokens * s * (model.num_attention_heads // tp) * d
     rates = dev.attention_rates(d)
     if rates is not None:
@@ -106,7 +149,8 @@ def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int,
         attention_bwd = ATTENTION_BACKWARD_FACTOR * attention
     elements, act_elements = elementwise_elements(model, tp=tp, sp=sp)
     act_fn = dev.memory_s(act_elements * tokens * dtype_bytes)
-    elementwise = dev.memory_s(elements * tokens * dtype_bytes)
+    elementwise = dev.memory_s(elements * tokens * dtype_bytes
+                               + routing_bytes(model, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes, etp=etp))
     if dev.block_overhead_s is not None:
         overhead, overhead_bwd = dev.block_overhead_s
     else:

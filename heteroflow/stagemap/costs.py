@@ -19,6 +19,10 @@ Overlap assumptions:
   (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
   tail, before the dp reduction. The backward's gathered K/V (repeated to the query heads) and their
   fp32 gradients are transient memory of one block (`context_parallel_working_bytes`).
+- A MoE block's all-to-alls (token dispatch and combine in the forward, their adjoints in the backward; again
+  in the backward under full recompute) are exposed, on the ep group's links (`comm.ep_alltoall_s`), at the
+  expected bytes of uniform routing times the load allowance (`layout.routing`). The routed experts'
+  gradients are reduced over expert-dp, in collectives of their own when that group is not the dp group.
 - The tail of a step (DP gradient reduction for ZeRO 0/1, parameter all-gather after the step for ZeRO
   1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
   pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
@@ -38,9 +42,10 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from heteroflow.config.model import ModelSpec
-from heteroflow.stagemap.comm import all_gather_s, all_reduce_s, dp_link
-from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per_rank, kv_heads_per_rank,
-                                      layer_params_per_rank)
+from heteroflow.stagemap.comm import all_gather_s, all_reduce_s, dp_link, ep_alltoall_s
+from heteroflow.layout.routing import ALLTOALLS_PER_LAYER, alltoall_bytes_per_rank, load_allowance
+from heteroflow.layout.shards import (embedding_params_per_rank, expert_params_per_rank, head_params_per_rank,
+                                      kv_heads_per_rank, layer_params_per_rank)
 from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.layout import ParallelLayout
@@ -93,6 +98,12 @@ class StageComm:
     bwd_last_s: float
     dp_const_s: float
     dp_per_param_s: float
+    alltoall_fwd_layer_s: float = 0.0
+    """A MoE block's all-to-alls (dispatch and combine) inside its forward figure, per layer."""
+    alltoall_bwd_layer_s: float = 0.0
+    dp_expert_layer_s: float = 0.0
+    """Per layer, what the routed experts' gradient reduction over expert-dp adds to `dp_per_param_s` x params
+    (their reduction replaces the dp one, so this may be negative)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +117,9 @@ class MicroBatchParts:
     backward_comm_s: float
     dp_s: float
     optimizer_s: float
+    forward_alltoall_s: float = 0.0
+    """A MoE stage's all-to-alls inside its forward (dispatch and combine of every block)."""
+    backward_alltoall_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +141,9 @@ class StageCosts:
     layout: ParallelLayout = field(repr=False, compare=False)
     comm: StageComm = field(repr=False, compare=False)
     """The collective and dp-reduction shares of the figures above (`parts` splits a stage's time with them)."""
+    tail_expert_layer_s: float = 0.0
+    """Per layer, what pricing the routed experts' state at the expert layout (gradients reduced and ZeRO state
+    sharded over expert-dp) adds to `tail_per_param_s` x params (negative when expert-dp is the larger group)."""
 
     @property
     def memory(self) -> MemoryModel:
@@ -143,7 +160,8 @@ class StageCosts:
 
     def tail_s(self, layers: int, first: bool, last: bool) -> float:
         """Seconds after the flush: gradient reduction, parameter gather and optimizer step."""
-        return self.tail_const_s + self.tail_per_param_s * self.params.at(layers, 0, first, last)
+        return (self.tail_const_s + self.tail_per_param_s * self.params.at(layers, 0, first, last)
+                + self.tail_expert_layer_s * layers)
 
     def memory_bytes(self, layers: int, in_flight: int, first: bool, last: bool) -> float:
         """Peak bytes per device, reserve included."""
@@ -155,10 +173,13 @@ class StageCosts:
         c = self.comm
         fwd_comm = layers * c.fwd_layer_s + c.fwd_first_s * first + c.fwd_last_s * last
         bwd_comm = layers * c.bwd_layer_s + c.bwd_first_s * first + c.bwd_last_s * last
-        dp = c.dp_const_s + c.dp_per_param_s * self.params.at(layers, 0, first, last)
-        return MicroBatchParts(forward_s=self.forward_s(layers, first, last) - fwd_comm, forward_comm_s=fwd_comm,
-                               backward_s=self.backward_s(layers, first, last) - bwd_comm, backward_comm_s=bwd_comm,
-                               dp_s=dp, optimizer_s=self.tail_s(layers, first, last) - dp)
+        fwd_a2a, bwd_a2a = layers * c.alltoall_fwd_layer_s, layers * c.alltoall_bwd_layer_s
+        dp = c.dp_const_s + c.dp_per_param_s * self.params.at(layers, 0, first, last) + c.dp_expert_layer_s * layers
+        return MicroBatchParts(forward_s=self.forward_s(layers, first, last) - fwd_comm - fwd_a2a,
+                               forward_comm_s=fwd_comm,
+                               backward_s=self.backward_s(layers, first, last) - bwd_comm - bwd_a2a,
+                               backward_comm_s=bwd_comm, dp_s=dp, optimizer_s=self.tail_s(layers, first, last) - dp,
+                               forward_alltoall_s=fwd_a2a, backward_alltoall_s=bwd_a2a)
 
 
 def stage_costs(model: ModelSpec, hw: StageHardware, layout: ParallelLayout, micro_batch_size: int,
@@ -177,20 +198,21 @@ def _check_precision(hw: StageHardware, layout: ParallelLayout) -> None:
 @lru_cache(maxsize=200_000)
 def _stage_costs(model: ModelSpec, hw: StageHardware, layout: ParallelLayout, mbs: int,
                  inter_gb_per_s: float, inter_latency_s: float, emulate: bool) -> StageCosts:
-    b = _base(model, hw, layout.tp, layout.dp, layout.cp, layout.sp, mbs, inter_gb_per_s, inter_latency_s, emulate)
+    b = _base(model, hw, layout.tp, layout.dp, layout.cp, layout.sp, layout.ep, layout.etp, mbs, inter_gb_per_s,
+              inter_latency_s, emulate)
     return costs_from_base(hw, layout, b)
 
 
 def stage_costs_many(model: ModelSpec, hw: StageHardware, layouts: list[ParallelLayout], mbs: int,
                      hardware: Hardware) -> list[StageCosts]:
-    """`stage_costs` for many layouts of one stage shape (the shared part computed once per tp/dp/cp/sp)."""
+    """`stage_costs` for many layouts of one stage shape (the shared part computed once per tp/dp/cp/sp/ep/etp)."""
     bases: dict[tuple, _Base] = {}
     out = []
     for lay in layouts:
         _check_precision(hw, lay)
-        key = (lay.tp, lay.dp, lay.cp, lay.sp)
+        key = (lay.tp, lay.dp, lay.cp, lay.sp, lay.ep, lay.etp)
         if key not in bases:
-            bases[key] = _base(model, hw, lay.tp, lay.dp, lay.cp, lay.sp, mbs,
+            bases[key] = _base(model, hw, *key, mbs,
                                hardware.inter_node_gb_per_s, hardware.inter_latency_s, hardware.emulate)
         out.append(costs_from_base(hw, lay, bases[key]))
     return out
@@ -200,10 +222,11 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     """Apply ZeRO, recompute and offload to the shared part of a stage's costs."""
     compute_fwd = b.compute_fwd
     compute_bwd = b.compute_bwd
-    tp_bwd = b.tp_bwd
-    if layout.recompute == "full":
+    tp_bwd, a2a_bwd = b.tp_bwd, b.alltoall_bwd
+    if layout.recompute == "full":  # the recomputed forward dispatches and combines its tokens again
         compute_bwd += compute_fwd
         tp_bwd += b.tp_fwd
+        a2a_bwd += b.alltoall_fwd
     elif layout.recompute == "selective":
         compute_bwd += b.attn_fwd + b.activation_fn_s
 
@@ -224,8 +247,8 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
         stored = b.stored[layout.recompute]
         overlap_fwd += stored / (hw.device.host_link_gb_per_s * 1e9)
         overlap_bwd += stored / (hw.device.host_link_gb_per_s * 1e9)
-    fwd_layer = max(compute_fwd, overlap_fwd) + b.tp_fwd
-    bwd_layer = max(compute_bwd, overlap_bwd) + tp_bwd
+    fwd_layer = max(compute_fwd, overlap_fwd) + b.tp_fwd + b.alltoall_fwd
+    bwd_layer = max(compute_bwd, overlap_bwd) + tp_bwd + a2a_bwd
 
     emb_f, emb_b, head_f, head_b = b.emb_f, b.emb_b, b.head_f, b.head_b
     if layout.zero >= 3:
@@ -233,14 +256,31 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
                                         head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
     dp_const, dp_per_param, opt_const, opt_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb,
                                                              b.ob)
+    dp_expert = opt_expert = 0.0
+    if b.p_expert and _separate_expert_groups(layout):
+        # The routed experts' gradients are reduced (and their ZeRO state sharded) over expert-dp, in
+        # collectives of their own: their per-parameter rates replace the dp ones, their latencies add.
+        expert_layout = replace(layout, tp=1, cp=1, dp=layout.expert_dp, ep=1, etp=None)
+        e_const, e_per_param, eo_const, eo_per_param = _tail(expert_layout, hw.device, hw, b.expert_dp_bw,
+                                                             b.expert_dp_lat, b.wb, b.gb, b.ob)
+        dp_const, opt_const = dp_const + e_const, opt_const + eo_const
+        dp_expert = (e_per_param - dp_per_param) * b.p_expert
+        opt_expert = (eo_per_param - opt_per_param) * b.p_expert
     comm = StageComm(fwd_layer_s=b.tp_fwd, bwd_layer_s=tp_bwd, fwd_first_s=b.comm_emb_f, bwd_first_s=0.0,
                      fwd_last_s=b.comm_head_f, bwd_last_s=b.comm_head_b, dp_const_s=dp_const,
-                     dp_per_param_s=dp_per_param)
+                     dp_per_param_s=dp_per_param, alltoall_fwd_layer_s=b.alltoall_fwd, alltoall_bwd_layer_s=a2a_bwd,
+                     dp_expert_layer_s=dp_expert)
     return StageCosts(fwd_layer_s=fwd_layer, bwd_layer_s=bwd_layer, fwd_first_s=emb_f, bwd_first_s=emb_b,
                       fwd_last_s=head_f, bwd_last_s=head_b, tail_const_s=dp_const + opt_const,
                       tail_per_param_s=dp_per_param + opt_per_param,
                       params=b.params, memory_total=memory_total_from_parts(b.memory, layout),
-                      memory_parts=b.memory, layout=layout, comm=comm)
+                      memory_parts=b.memory, layout=layout, comm=comm, tail_expert_layer_s=dp_expert + opt_expert)
+
+
+def _separate_expert_groups(layout: ParallelLayout) -> bool:
+    """Whether the routed experts' gradients are reduced over other ranks than the dp group (ep > 1, an etp other
+    than tp, or cp folded into expert-dp)."""
+    return layout.expert_dp != layout.dp or layout.cp > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +304,15 @@ class _Base:
     """The tp collectives inside emb_f, head_f and head_b."""
     dp_bw: float
     dp_lat: float
+    expert_dp_bw: float
+    expert_dp_lat: float
+    """The link of the expert-dp rings (`etp * ep` of them run side by side, as tp * cp dp rings do)."""
+    alltoall_fwd: float
+    alltoall_bwd: float
+    """A MoE block's all-to-alls (`layout.routing.ALLTOALLS_PER_LAYER`) in its forward and backward."""
     p_layer: float
+    p_expert: float
+    """The routed experts' share of `p_layer`."""
     gather_weights_s: float
     scatter_grads_s: float
     zero3_scatter_s: float
@@ -281,7 +329,7 @@ class _Base:
 
 
 @lru_cache(maxsize=20_000)
-def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bool, mbs: int,
+def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bool, ep: int, etp: int | None, mbs: int,
           inter_gb_per_s: float, inter_latency_s: float, emulate: bool) -> _Base:
     hardware = Hardware(models={}, inter_node_gb_per_s=inter_gb_per_s, inter_latency_s=inter_latency_s,
                         emulate=emulate)
@@ -292,9 +340,20 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     # calibrated; the runtime's dp reduction sends its fp32 buffer (issue 12 part 2 measures the difference).
     gb = act
     tokens = mbs / dp * model.seq_length / cp
-    lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
+    lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act, ep=ep, etp=etp)
     intra, intra_lat = dev.tp_link()
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
+    expert_tp = tp if etp is None else etp
+    # etp * ep expert-dp rings run side by side; a node's NIC carries at most one per device of the node
+    expert_dp_bw, expert_dp_lat = dp_link(dev, hardware, single_node=hw.single_node,
+                                          tp=min(expert_tp * ep, hw.node_count), cp=1)
+    alltoall_fwd = alltoall_bwd = 0.0
+    if model.moe is not None:  # every block priced as a MoE block, like its compute (the costlier kind)
+        sent = (alltoall_bytes_per_rank(model, tokens, tp=tp, ep=ep, etp=expert_tp, dtype_bytes=act)
+                * load_allowance(model.moe, ep))
+        one = ep_alltoall_s(sent, dev, hardware, ep=ep, etp=expert_tp, node_count=hw.node_count,
+                            single_node=hw.single_node)
+        alltoall_fwd, alltoall_bwd = (n * one for n in ALLTOALLS_PER_LAYER)
     act_bytes = tokens * model.hidden_size * act
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
     # Context parallelism: all-gather of every rank's K/V chunk in the forward; gather again and
@@ -303,7 +362,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     cp_fwd = all_gather_s(cp * kv_chunk, cp, intra, intra_lat)
     attn_fwd = lc.attention_s + cp_fwd
     attn_bwd = lc.attention_backward_s + 2 * cp_fwd
-    p_layer = layer_params_per_rank(model, tp)
+    p_layer = layer_params_per_rank(model, tp, ep=ep, etp=etp)
     # First stage: embedding (vocab-parallel: an all-reduce over tp); last: norm, LM head, loss.
     emb_f, emb_b = embedding_s(model, dev, tokens=tokens, dtype_bytes=act)
     head_f, head_b = head_s(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
@@ -321,6 +380,16 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     emb_gather, head_gather = all_gather_s(p_emb * wb, z3, dp_bw, dp_lat), all_gather_s(p_head * wb, z3, dp_bw, dp_lat)
     zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * REDUCE_BYTES, z3, dp_bw, dp_lat),
              head_gather, head_gather + all_gather_s(p_head * REDUCE_BYTES, z3, dp_bw, dp_lat))
+    # A block's ZeRO collectives: the routed experts' over expert-dp (cp x dp when the expert layout is tp's).
+    p_expert = expert_params_per_rank(model, tp, ep=ep, etp=etp)
+    expert_dp = tp * cp * dp // (expert_tp * ep)
+
+    def block_gather(per_param: float, ranks: int) -> float:
+        if expert_dp == ranks:
+            return all_gather_s(p_layer * per_param, ranks, dp_bw, dp_lat)
+        return (all_gather_s((p_layer - p_expert) * per_param, ranks, dp_bw, dp_lat)
+                + all_gather_s(p_expert * per_param, expert_dp, expert_dp_bw, expert_dp_lat))
+
     params = Affine(0.0, p_layer, 0.0, p_emb, p_head,
                     -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0)
     return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
@@ -328,14 +397,15 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + lc.overhead_backward_s,
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                  comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
-                 p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, z3, dp_bw, dp_lat),
-                 scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat),
-                 zero3_scatter_s=all_gather_s(p_layer * REDUCE_BYTES, z3, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
+                 expert_dp_bw=expert_dp_bw, expert_dp_lat=expert_dp_lat, alltoall_fwd=alltoall_fwd,
+                 alltoall_bwd=alltoall_bwd, p_layer=p_layer, p_expert=p_expert,
+                 gather_weights_s=block_gather(wb, z3), scatter_grads_s=block_gather(gb, dp),
+                 zero3_scatter_s=block_gather(REDUCE_BYTES, z3), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
                  memory=_with_cp_working(memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
-                                                      capacity_gib=dev.memory_gib),
+                                                      capacity_gib=dev.memory_gib, ep=ep, etp=etp),
                                          context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
                                                                         dtype_bytes=act)))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from heteroflow.config.job import JobConfig
@@ -9,7 +10,7 @@ from heteroflow.layout import OffloadSpec
 from heteroflow.stagemap.costs import StageHardware, stage_costs
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.layout import ParallelLayout
-from heteroflow.stagemap.layout import tp_choices
+from heteroflow.stagemap.layout import expert_choices, tp_choices
 from heteroflow.stagemap.memory import GIB
 from heteroflow.stagemap.space import layout_precision, stage_precisions
 
@@ -71,10 +72,12 @@ def _best_peaks(job: JobConfig, hardware: Hardware, hw: StageHardware, layers: i
     plain = frugal = None
     for tp in tp_choices(job.model, hw.num_devices, hw.node_count):
         dp = hw.num_devices // tp
-        sp = tp > 1 and job.model.seq_length % tp == 0
-        for off, slot in ((OffloadSpec(), "plain"), (OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"), "frugal")):
+        sp = tp > 1 and job.model.seq_length % tp == 0 and job.model.moe is None  # MoE refuses sp for now
+        for (ep, etp), (off, slot) in itertools.product(
+                expert_choices(job.model, tp=tp, num_devices=hw.num_devices),
+                ((OffloadSpec(), "plain"), (OffloadSpec(optimizer="cpu", params="cpu", activations="cpu"), "frugal"))):
             lay = ParallelLayout(tp=tp, dp=dp, sp=sp, zero=3 if dp > 1 else 0, recompute="full", offload=off,
-                                 precision=layout_precision(job, hw.precision))
+                                 precision=layout_precision(job, hw.precision), ep=ep, etp=etp)
             c = stage_costs(job.model, hw, lay, dp, hardware)
             peak = c.memory_bytes(layers, min(stages, max(1, job.train.global_batch_size // dp)), True, False) / GIB
             if slot == "plain" and (plain is None or peak < plain[0]):

@@ -27,6 +27,23 @@ def tp_choices(model: ModelSpec, num_devices: int, node_count: int) -> list[int]
             if num_devices % t == 0 and (num_devices <= node_count or node_count % t == 0) and tp_valid(model, t)]
 
 
+def expert_choices(model: ModelSpec, *, tp: int, num_devices: int, ep: tuple[int, ...] | None = None,
+                   expert_parallel: bool = True) -> list[tuple[int, int | None]]:
+    """The expert layouts `(ep, etp)` searched for a stage of `num_devices` devices at `tp`: none but (1, None) for
+    a dense model or without `expert_parallel`; for a MoE model every ep that divides the experts (and is in `ep`,
+    when given), with etp = tp (None) or, when tp > 1, etp = 1 (experts whole, more ranks in the ep group), where
+    etp * ep divides the stage's devices."""
+    if model.moe is None or not expert_parallel:
+        return [(1, None)]
+    out: list[tuple[int, int | None]] = []
+    for etp in ((None, 1) if tp > 1 else (None,)):
+        ways = tp if etp is None else etp
+        out += [(degree, etp) for degree in range(1, num_devices // ways + 1)
+                if model.moe.num_experts % degree == 0 and num_devices % (ways * degree) == 0
+                and (ep is None or degree in ep)]
+    return out
+
+
 def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None = None) -> bool:
     """Whether `lay` keeps to `offload_zero`, the ZeRO stages allowed when optimizer state or parameters leave
     the device (None: any). `plan: auto` sets it to what the runtime runs."""
@@ -37,21 +54,25 @@ def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None
 def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro_batch_size: int,
                    zero: tuple[int, ...] = (0, 1, 2, 3), recompute: tuple[str, ...] = ("none", "selective", "full"),
                    offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES, sp: tuple[bool, ...] = (False, True),
-                   offload_zero: tuple[int, ...] | None = None, precision: str | None = None) -> list[ParallelLayout]:
+                   offload_zero: tuple[int, ...] | None = None, precision: str | None = None,
+                   ep: tuple[int, ...] | None = None, expert_parallel: bool = True) -> list[ParallelLayout]:
     """Every layout the planner considers for a stage of `num_devices` devices (cp = 1), each with
-    `precision`; `offload_zero` as in `offload_allowed`."""
+    `precision`; `offload_zero` as in `offload_allowed`; a MoE model's with each of its `expert_choices` (ep in
+    `ep`, when given; none but ep 1 without `expert_parallel`)."""
     out = []
     for tp in tp_choices(model, num_devices, node_count):
         dp = num_devices // tp
-        for use_sp in sp:
-            for z in zero:
-                for rc in recompute:
-                    for off in offload:
-                        lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off,
-                                             precision=precision)
-                        if (searched(lay, model, micro_batch_size=micro_batch_size)
-                                and offload_allowed(lay, offload_zero=offload_zero)):
-                            out.append(lay)
+        for expert_ep, etp in expert_choices(model, tp=tp, num_devices=num_devices, ep=ep,
+                                             expert_parallel=expert_parallel):
+            for use_sp in sp:
+                for z in zero:
+                    for rc in recompute:
+                        for off in offload:
+                            lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off,
+                                                 precision=precision, ep=expert_ep, etp=etp)
+                            if (searched(lay, model, micro_batch_size=micro_batch_size)
+                                    and offload_allowed(lay, offload_zero=offload_zero)):
+                                out.append(lay)
     return out
 
 

@@ -17,6 +17,9 @@ reduce-scatter). Offloading the optimizer moves its state, still divided by dp u
 device (each gradient leaves for the host as autograd produces it); offloading
 parameters leaves a window of two layers of weights (each tp rank's shards: one in use, one prefetched) and
 one layer's `.grad`, plus the embedding, final norm and head, which the runtime keeps on the device.
+Mixture-of-experts blocks: a device holds its num_experts / ep local experts split over etp (`layout.shards`:
+the router and shared expert as in tp); ZeRO shards the routed experts' state over the expert-dp group
+(`ParallelLayout.expert_dp`) instead of dp (`MemoryParts.layer_share`).
 
 Activations stored per block and micro-batch, on one device: what the runtime's block saves for backward
 (`activation_bytes`, checked against the runtime's meter by `benchmarks/bench_memory.py`): per token the two
@@ -42,8 +45,8 @@ from typing import NamedTuple
 
 from heteroflow.config.model import ModelSpec
 from heteroflow.layout import ParallelLayout, in_flight
-from heteroflow.layout.shards import (active_ffn_width, embedding_params_per_rank, head_params_per_rank,
-                                      kv_heads_per_rank, layer_params_per_rank)
+from heteroflow.layout.shards import (active_ffn_width, embedding_params_per_rank, expert_params_per_rank,
+                                      head_params_per_rank, kv_heads_per_rank, layer_params_per_rank)
 from heteroflow.layout.state import optimizer_shards, state_bytes
 
 GIB = float(1 << 30)
@@ -175,14 +178,22 @@ class MemoryParts:
     wb: int
     gb: int
     ob: int
+    p_expert: float = 0.0
+    """The routed experts' part of `p_layer`: their ZeRO shards and gradient reduction span the expert-dp group."""
+
+    def layer_share(self, dense_ranks: int, expert_ranks: int) -> float:
+        """A block's parameters one device keeps of state sharded over `dense_ranks` (the routed experts' over
+        `expert_ranks`)."""
+        return (self.p_layer - self.p_expert) / dense_ranks + self.p_expert / expert_ranks
 
 
 def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precision: str,
-                 capacity_gib: float) -> MemoryParts:
-    """The layout-independent pieces of a stage's memory."""
+                 capacity_gib: float, ep: int = 1, etp: int | None = None) -> MemoryParts:
+    """The pieces of a stage's memory that do not depend on ZeRO, recompute and offload (the expert layout `ep`,
+    `etp` sets which experts a device holds)."""
     wb, gb, ob = state_bytes_per_param(precision)
     act = dtype_bytes(precision)
-    p_layer, p_embed, p_head, tied = _params(model, tp)
+    p_layer, p_embed, p_head, tied = _params(model, tp, ep, etp)
     stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
               for rc in ("none", "selective", "full")}
     working = {"none": 0.0, "full": stored["none"],
@@ -192,13 +203,14 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
             + tokens * model.vocab_size / tp * LOGIT_BYTES)
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
                        logits=head,
-                       reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob)
+                       reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob,
+                       p_expert=expert_params_per_rank(model, tp, ep=ep, etp=etp))
 
 
 def memory_model(model: ModelSpec, layout: ParallelLayout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
     """The memory model of one device of a stage with `layout`, `tokens` tokens per micro-batch per device."""
     parts = memory_parts(model, tp=layout.tp, sp=layout.sp, tokens=tokens, precision=precision,
-                         capacity_gib=capacity_gib)
+                         capacity_gib=capacity_gib, ep=layout.ep, etp=layout.etp)
     return memory_from_parts(parts, layout)
 
 
@@ -220,13 +232,13 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
     else:
         if zero >= 3:
             k = parts.wb / dp
-            weights = Affine(w0 * parts.wb, p_layer * k, 0.0, p_embed * k + w1 * parts.wb, p_head * k + w2 * parts.wb,
-                             tied * k)
+            weights = Affine(w0 * parts.wb, parts.wb * parts.layer_share(dp, layout.expert_dp), 0.0,
+                             p_embed * k + w1 * parts.wb, p_head * k + w2 * parts.wb, tied * k)
         else:
             weights = state(parts.wb, 1)
     optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
     if _runs_zero3(layout):
-        weights, gradients, optimizer = _zero3_state(parts, dp)
+        weights, gradients, optimizer = _zero3_state(parts, dp, layout.expert_dp)
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
         activations = Affine(stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -244,7 +256,9 @@ def optimizer_state(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     """Optimizer state bytes of one device of a stage, wherever they live: 1/dp of the stage's under ZeRO >= 1
     (also in the offload tier: ZeRO-Offload shards it over dp like the device does)."""
     k = parts.ob / optimizer_shards(layout.zero, layout.dp)
-    return Affine(0.0, parts.p_layer * k, 0.0, parts.p_embed * k, parts.p_head * k, parts.tied * k)
+    per_layer = parts.ob * parts.layer_share(optimizer_shards(layout.zero, layout.dp),
+                                             optimizer_shards(layout.zero, layout.expert_dp))
+    return Affine(0.0, per_layer, 0.0, parts.p_embed * k, parts.p_head * k, parts.tied * k)
 
 
 def offloaded_optimizer_bytes(parts: MemoryParts, layout: ParallelLayout) -> Affine:
@@ -257,14 +271,16 @@ def _runs_zero3(layout: ParallelLayout) -> bool:
     return layout.zero >= 3 and layout.offload.params == "device" and layout.offload.optimizer == "device"
 
 
-def _zero3_state(parts: MemoryParts, dp: int) -> tuple[Affine, Affine, Affine]:
-    """(weights, gradients, optimizer) of a ZeRO-3 stage that keeps its state on the device (`models.zero3`)."""
+def _zero3_state(parts: MemoryParts, dp: int, expert_dp: int) -> tuple[Affine, Affine, Affine]:
+    """(weights, gradients, optimizer) of a ZeRO-3 stage that keeps its state on the device (`models.zero3`), its
+    shards over `dp` ranks (the routed experts' over `expert_dp`)."""
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     w1, w2 = max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
+    share = parts.layer_share(dp, expert_dp)
 
     def shard(per_param: float) -> Affine:
         k = per_param / dp
-        return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
+        return Affine(0.0, share * per_param, 0.0, p_embed * k, p_head * k, tied * k)
 
     def window(units: float, per_param: float) -> Affine:
         return Affine(units * p_layer * per_param, 0.0, 0.0, w1 * per_param, w2 * per_param, 0.0)
@@ -294,7 +310,8 @@ def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
     out = _ZERO
     if layout.offload.optimizer == "device":
         k = parts.gb / (layout.replicas if layout.zero >= 3 else 1)
-        out = Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
+        per_layer = parts.gb * (parts.layer_share(layout.replicas, layout.expert_dp) if layout.zero >= 3 else p_layer)
+        out = Affine(0.0, per_layer, 0.0, p_embed * k, p_head * k, tied * k)
     if layout.offload.params != "device":
         out = out._replace(const=out.const + p_layer * parts.wb)
     return out
@@ -312,7 +329,7 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     const += grads.const
     per_layer, first, last, both = grads.per_layer, grads.first, grads.last, grads.both
     if _runs_zero3(layout):
-        state = Affine(*map(sum, zip(*_zero3_state(parts, dp))))
+        state = Affine(*map(sum, zip(*_zero3_state(parts, dp, layout.expert_dp))))
         const, per_layer, first, last, both = (const + state.const, state.per_layer, state.first, state.last,
                                                state.both)
     elif off.params != "device":
@@ -327,13 +344,13 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
             const += w0 * parts.wb
             first += w1 * parts.wb
             last += w2 * parts.wb
-        per_layer += p_layer * k
+        per_layer += parts.wb * parts.layer_share(dp, layout.expert_dp) if zero >= 3 else p_layer * k
         first += p_embed * k
         last += p_head * k
         both += tied * k
     if off.optimizer == "device" and not _runs_zero3(layout):
         k = parts.ob / optimizer_shards(zero, dp)
-        per_layer += p_layer * k
+        per_layer += parts.ob * parts.layer_share(optimizer_shards(zero, dp), optimizer_shards(zero, layout.expert_dp))
         first += p_embed * k
         last += p_head * k
         both += tied * k
@@ -348,10 +365,10 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
 
 
 @lru_cache(maxsize=1024)
-def _params(model: ModelSpec, tp: int) -> tuple[float, float, float, float]:
+def _params(model: ModelSpec, tp: int, ep: int, etp: int | None) -> tuple[float, float, float, float]:
     """(per block, first-stage extra, last-stage extra, tied-head saving when first and last) per device."""
     tied = -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0
-    return (layer_params_per_rank(model, tp), embedding_params_per_rank(model, tp),
+    return (layer_params_per_rank(model, tp, ep=ep, etp=etp), embedding_params_per_rank(model, tp),
             head_params_per_rank(model, tp, single_stage=False), tied)
 
 

@@ -14,7 +14,7 @@ from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs, st
 from heteroflow.stagemap.dp import Option
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.layout import ParallelLayout
-from heteroflow.layout.shards import layer_params_per_rank
+from heteroflow.layout.shards import expert_params_per_rank, layer_params_per_rank
 from heteroflow.stagemap.memory import (GIB, RESERVE_FRACTION, RESERVE_GIB, activation_bytes, dtype_bytes,
                                         state_bytes_per_param)
 
@@ -36,7 +36,7 @@ class LayoutTable:
 def coefficients(c: StageCosts) -> list[float]:
     pp, prm, mem = c.tail_per_param_s, c.params, c.memory_total
     return [c.fwd_layer_s, c.fwd_first_s, c.fwd_last_s, c.bwd_layer_s, c.bwd_first_s, c.bwd_last_s,
-            c.tail_const_s, pp * prm.per_layer, pp * prm.first, pp * prm.last, pp * prm.both,
+            c.tail_const_s, pp * prm.per_layer + c.tail_expert_layer_s, pp * prm.first, pp * prm.last, pp * prm.both,
             mem.const, mem.per_layer, mem.per_layer_in_flight, mem.first, mem.last, mem.both]
 
 
@@ -224,12 +224,16 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
     room = hw.device.memory_gib * GIB - (RESERVE_GIB + RESERVE_FRACTION * hw.device.memory_gib) * GIB
     state = act = float("inf")
     for lay in layouts:
-        p_layer = layer_params_per_rank(job.model, lay.tp)
+        p_layer = layer_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp)
+        p_expert = expert_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp)
         off = lay.offload
-        weights = 0.0 if off.params != "device" else wb / (lay.dp if lay.zero >= 3 else 1)
-        grads = 0.0 if off.optimizer != "device" else gb / (lay.dp if lay.zero >= 3 else 1)
-        optim = 0.0 if off.optimizer != "device" else ob / (lay.dp if lay.zero >= 1 else 1)
-        state = min(state, p_layer * (weights + grads + optim))
+        held = 0.0
+        for params, ranks in ((p_layer - p_expert, lay.dp), (p_expert, lay.expert_dp)):  # experts: over expert-dp
+            weights = 0.0 if off.params != "device" else wb / (ranks if lay.zero >= 3 else 1)
+            grads = 0.0 if off.optimizer != "device" else gb / (ranks if lay.zero >= 3 else 1)
+            optim = 0.0 if off.optimizer != "device" else ob / (ranks if lay.zero >= 1 else 1)
+            held += params * (weights + grads + optim)
+        state = min(state, held)
         if off.activations != "device":
             act = 0.0
         elif act > 0:

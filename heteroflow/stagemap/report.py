@@ -24,7 +24,8 @@ class Baseline:
                "bubble_fraction": e.bubble_fraction, "schedule": e.plan.schedule,
                "micro_batch_size": e.plan.micro_batch_size, "num_devices": e.plan.num_devices,
                "stages": [{"device_type": s.device_type, "num_devices": s.num_devices, "layers": list(s.layers),
-                           "tp": s.layout.tp, "dp": s.layout.dp, "precision": s.precision} for s in e.stages]}
+                           "tp": s.layout.tp, "dp": s.layout.dp, "ep": s.layout.ep, "etp": s.layout.expert_tp,
+                           "precision": s.precision} for s in e.stages]}
         if self.reason:
             out["reason"] = self.reason
         return out
@@ -98,11 +99,20 @@ def format_estimate(e: PlanEstimate, title: str) -> str:
                  f"{e.plan.num_devices} devices, bubble {e.bubble_fraction:.1%}")
     lines.append(f"step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"
                  + (" (emulated on this machine)" if e.emulate else ""))
+    lines += alltoall_lines(e)
     if e.calibration is not None:
         lines.append(describe_note(e.calibration))
     for problem in e.problems:
         lines.append(f"does not fit: {problem}")
     return "\n".join(lines)
+
+
+def alltoall_lines(e: PlanEstimate) -> list[str]:
+    """For a MoE plan, per stage with expert parallelism, the step time its token all-to-alls take."""
+    return [f"stage {s.index} ep {s.layout.ep}: all-to-all {s.times.alltoall_s:.3f} s of the "
+            f"{e.step_time_s:.3f} s step ({s.times.alltoall_s / e.step_time_s:.1%}; tokens to and from the experts "
+            f"of the other ep ranks, forward and backward)"
+            for s in e.stages if s.layout.ep > 1 and s.times is not None and e.step_time_s > 0]
 
 
 def format_baselines(baselines: dict[str, Baseline], reference: PlanEstimate | None) -> str:
@@ -114,6 +124,7 @@ def format_baselines(baselines: dict[str, Baseline], reference: PlanEstimate | N
             continue
         e = b.estimate
         shape = " + ".join(f"{s.num_devices} x {s.device_type} tp{s.layout.tp} dp{s.layout.dp}"
+                           + (f" ep{s.layout.ep}" if s.layout.ep > 1 else "")
                            + (f" {s.layout.precision}" if s.layout.precision else "") for s in e.stages[:4])
         if len(e.stages) > 4:
             shape += f" + {len(e.stages) - 4} more stages"

@@ -10,8 +10,8 @@
 - A *template* is the ordered list of used classes with their group sizes: the stages of one class are
   contiguous in the pipeline, and the order of the classes is searched.
 - Per stage: layers (any positive split summing to the model's layers) and layout (tp inside a node, dp,
-  sp, ZeRO, recompute, offload; cp = 1; the class's precision); per plan: micro-batch size (dividing the
-  global batch) and schedule.
+  sp, ZeRO, recompute, offload; cp = 1; the class's precision; for a MoE model ep and etp, so stages may
+  differ in ep); per plan: micro-batch size (dividing the global batch) and schedule.
 
 Precision (`stage_precisions`): `train.precision` is pinned on every device type that can train in it;
 only a device type that cannot (Ascend 910A has no bf16) gets another precision, the fastest plan among
@@ -47,14 +47,19 @@ class SearchOptions:
     sp: tuple[bool, ...] = (False, True)
     device_types: tuple[str, ...] | None = None
     """Only these device types (None: all)."""
+    expert_parallel: bool = True
+    """Search a MoE model's expert layouts (ep > 1, etp other than tp); False: experts follow tp (ep 1)."""
+    ep: tuple[int, ...] | None = None
+    """Only these expert-parallel degrees for a MoE model's stages (None: every one `layout.expert_choices` allows)."""
     include_megatron: bool = True
     """Also consider the megatron_uniform plan (which may fall outside the template space)."""
 
 
-RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0, 1, 2))
+RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0, 1, 2), expert_parallel=False)
 """The layouts `heteroflow train` runs: ZeRO 0-3 and every offload tier (parameters with any tp), with optimizer
 state off the device under ZeRO 0, 1 and 2 (ZeRO 1/2: ZeRO-Offload) and parameters off it under ZeRO 0 only
-(`layout.searched`: with dp > 1 the planner offloads them only under ZeRO-3, not run).
+(`layout.searched`: with dp > 1 the planner offloads them only under ZeRO-3, not run); experts following tp
+(`launcher.prepare.check_runnable` refuses ep and etp until the runtime runs them; then set `expert_parallel`).
 `heteroflow plan` and `plan: auto` search these; `heteroflow plan --all-layouts` the whole priced space."""
 
 @dataclass(frozen=True, slots=True)
@@ -171,4 +176,5 @@ def layouts_for(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: i
     """The layouts searched for a stage of `size` devices of `cls`."""
     return search_layouts(job.model, num_devices=size, node_count=cls.node_count, micro_batch_size=micro_batch_size,
                           zero=options.zero, recompute=options.recompute, offload=options.offload, sp=options.sp,
-                          offload_zero=options.offload_zero, precision=layout_precision(job, cls.precision))
+                          offload_zero=options.offload_zero, precision=layout_precision(job, cls.precision),
+                          ep=options.ep, expert_parallel=options.expert_parallel)

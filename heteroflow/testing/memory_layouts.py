@@ -51,7 +51,8 @@ def unseen_on_cpu(job, plan, stage: int) -> float:
     layout = plan.stages[stage].layout
     tokens = plan.micro_batch_size / layout.dp * job.model.seq_length / layout.cp
     parts = memory_parts(job.model, tp=layout.tp, sp=layout.sp, tokens=tokens,
-                         precision=layout.compute_precision(job.train.precision), capacity_gib=0.0)
+                         precision=layout.compute_precision(job.train.precision), capacity_gib=0.0,
+                         ep=layout.ep, etp=layout.etp)
     unseen = parts.working[layout.recompute]
     if layout.offload.activations != "device":  # the last stage's head too: its saved tensors went to the host
         unseen += parts.stored[layout.recompute] + (parts.logits if stage == len(plan.stages) - 1 else 0.0)

@@ -1,5 +1,6 @@
-"""Until MoE pricing lands, the planner prices a MoE block's compute at its active experts and its memory at
-all of them, through the per-rank counts in layout/shards.py that the runtime uses too."""
+"""The planner prices a MoE block's compute at its active experts (plus the router) and its memory at all of the
+experts a rank holds, through the per-rank counts in layout/shards.py that the runtime uses too (expert
+parallelism: `test_moe_ep_pricing.py`)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,15 @@ def test_memory_counts_every_expert_as_the_model_holds_them():
 def test_compute_and_activations_follow_the_active_experts():
     active = replace(DENSE, ffn_hidden_size=2 * 96 + 64)  # a dense block as wide as what one token uses
     assert active_ffn_width(SPARSE) == 256
+    # At a rate independent of the GEMM shapes, the experts cost what the active width does; the router adds its
+    # h x num_experts GEMM on every token.
+    flat = replace(A100, eff_half_dim=0.0, hbm_gb_per_s=1e9)
+    rate = flat.peak_tflops * flat.eff_max * 1e12
     for tp in (1, 2):
-        assert layer_forward(SPARSE, A100, tokens=512, tp=tp, sp=False, dtype_bytes=2) == \
-            layer_forward(active, A100, tokens=512, tp=tp, sp=False, dtype_bytes=2)
+        sparse = layer_forward(SPARSE, flat, tokens=512, tp=tp, sp=False, dtype_bytes=2)
+        dense = layer_forward(active, flat, tokens=512, tp=tp, sp=False, dtype_bytes=2)
+        assert sparse.gemm_s - dense.gemm_s == pytest.approx(2 * 512 * 8 * SPARSE.hidden_size / rate)
+        assert sparse.elementwise_s > dense.elementwise_s  # router scores and the token permutation
         assert activation_bytes(SPARSE, tokens=512, tp=tp, sp=False, recompute="none", dtype_bytes=2) == \
             activation_bytes(active, tokens=512, tp=tp, sp=False, recompute="none", dtype_bytes=2)
     assert model_flops_per_sample(SPARSE) == model_flops_per_sample(active)
