@@ -11,20 +11,22 @@ layout once and read off any layer count; `evaluate_plan` uses the same numbers.
 Overlap assumptions:
 - TP collectives are exposed (added to compute); recompute repeats the forward ones in the backward.
 - Per block, traffic that a prefetching runtime hides behind that block's compute is overlapped with it
-  (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, ZeRO-2
-  gradient reduce-scatters (every micro-batch), parameter fetches from CPU/SSD, activation offload to
-  CPU and back.
+  (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, parameter
+  fetches from CPU/SSD, activation offload to CPU and back.
 - Context parallelism (`models/cp_attention.py`): each block all-gathers K/V over cp before its attention
   in the forward, and gathers them again and reduce-scatters their gradients in the backward, exposed
   (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
   tail, before the dp reduction. The backward's gathered K/V (repeated to the query heads) and their
   fp32 gradients are transient memory of one block (`context_parallel_working_bytes`).
-- The tail of a step (DP gradient reduction for ZeRO 0/1, parameter all-gather after the step for ZeRO
-  1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
-  pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
-  global norm, so the stages synchronize there).
-- ZeRO 1/2 with the optimizer offloaded (ZeRO-Offload): every gradient goes to the host, is reduce-scattered
-  there over dp (after the backward, also under ZeRO 2), the host Adam updates 1/dp of the state and 1/dp of
+- The tail of a step (the dp gradient reduction: an all-reduce for ZeRO 0, a reduce-scatter for ZeRO 1 and 2,
+  which `models.data_parallel` runs alike; the parameter all-gather after the step for ZeRO 1/2, the
+  optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the pipeline flush,
+  and the step ends when the slowest stage finishes it (gradient clipping needs the global norm, so the stages
+  synchronize there).
+- Gradient reductions (over dp, over cp, ZeRO-3's reduce-scatters) send `layout.GRAD_REDUCE_BYTES` per
+  element, the fp32 buffer the runtime reduces, whatever the stage computes in.
+- ZeRO 1/2 with the optimizer offloaded (ZeRO-Offload): every gradient goes to the host (in the compute
+  dtype), is reduce-scattered there over dp (after the backward), the host Adam updates 1/dp of the state and 1/dp of
   the updated weights go back up before the all-gather.
 - Offload bandwidths: the device's host link for CPU; for SSD the node's NVMe read/write bandwidth shared
   by the node's devices (and never more than the host link); CPU Adam streams 28 bytes per parameter at
@@ -43,9 +45,9 @@ from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per
                                       layer_params_per_rank)
 from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
-from heteroflow.layout import ParallelLayout
+from heteroflow.layout import GRAD_REDUCE_BYTES, ParallelLayout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, dtype_bytes,
-                                        REDUCE_BYTES, memory_from_parts, memory_parts,
+                                        memory_from_parts, memory_parts,
                                         memory_total_from_parts, state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
@@ -212,8 +214,6 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     if layout.zero >= 3:  # `models.zero3`: gathered for forward, again for backward, gradients reduced in fp32
         overlap_fwd += b.gather_weights_s
         overlap_bwd += b.gather_weights_s + b.zero3_scatter_s
-    elif layout.zero == 2:
-        overlap_bwd += b.scatter_grads_s
     off = layout.offload
     if off.params != "device":
         read_bw, write_bw = _tier_bandwidth(hw.device, hw, off.params)
@@ -266,7 +266,6 @@ class _Base:
     dp_lat: float
     p_layer: float
     gather_weights_s: float
-    scatter_grads_s: float
     zero3_scatter_s: float
     """A block's fp32 gradient reduce-scatter under ZeRO-3."""
     emb_f: float
@@ -288,9 +287,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     dev, precision = hw.device, hw.precision
     wb, _, ob = state_bytes_per_param(precision)
     act = dtype_bytes(precision)
-    # Gradient traffic (dp reduction, offload) is timed at the compute dtype's size, as the time model was
-    # calibrated; the runtime's dp reduction sends its fp32 buffer (issue 12 part 2 measures the difference).
-    gb = act
+    gb = act  # a gradient as autograd produces it (what an offloaded optimizer copies to the host)
     tokens = mbs / dp * model.seq_length / cp
     lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
     intra, intra_lat = dev.tp_link()
@@ -319,8 +316,8 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     # collective spans the stage's cp x dp ranks (`ParallelLayout.replicas`), timed on the dp link.
     z3 = cp * dp
     emb_gather, head_gather = all_gather_s(p_emb * wb, z3, dp_bw, dp_lat), all_gather_s(p_head * wb, z3, dp_bw, dp_lat)
-    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * REDUCE_BYTES, z3, dp_bw, dp_lat),
-             head_gather, head_gather + all_gather_s(p_head * REDUCE_BYTES, z3, dp_bw, dp_lat))
+    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * GRAD_REDUCE_BYTES, z3, dp_bw, dp_lat),
+             head_gather, head_gather + all_gather_s(p_head * GRAD_REDUCE_BYTES, z3, dp_bw, dp_lat))
     params = Affine(0.0, p_layer, 0.0, p_emb, p_head,
                     -(model.vocab_size * model.hidden_size / tp) if model.tie_embeddings else 0.0)
     return _Base(tokens=tokens, wb=wb, gb=gb, ob=ob,
@@ -329,8 +326,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                  comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
                  p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, z3, dp_bw, dp_lat),
-                 scatter_grads_s=all_gather_s(p_layer * gb, dp, dp_bw, dp_lat),
-                 zero3_scatter_s=all_gather_s(p_layer * REDUCE_BYTES, z3, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
+                 zero3_scatter_s=all_gather_s(p_layer * GRAD_REDUCE_BYTES, z3, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
@@ -369,28 +365,24 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     reduction, then the same of the optimizer step (which, as the runtime's does, includes ZeRO's all-gather
     of the updated parameters)."""
     dp = layout.dp
+    rb = GRAD_REDUCE_BYTES
     dp_const = dp_per_param = opt_const = opt_per_param = 0.0
     if layout.cp > 1 and layout.zero < 3:  # each cp rank's gradients are its tokens': summed over cp first
         # (ZeRO-3's reduce-scatter sums over cp x dp at once, during the backward)
         cp_gb_per_s, cp_latency_s = dev.tp_link()
-        dp_per_param += 2 * (layout.cp - 1) / layout.cp * gb / (cp_gb_per_s * 1e9)
+        dp_per_param += 2 * (layout.cp - 1) / layout.cp * rb / (cp_gb_per_s * 1e9)
         dp_const += 2 * (layout.cp - 1) * cp_latency_s
     if dp > 1:
         ring = (dp - 1) / dp / (dp_bw * 1e9)
         if layout.zero == 0:  # all-reduce of the gradients
-            dp_per_param += 2 * ring * gb
+            dp_per_param += 2 * ring * rb
             dp_const += 2 * (dp - 1) * dp_lat
-        elif layout.zero == 1:  # reduce-scatter of the gradients, all-gather of the parameters
-            dp_per_param += ring * gb
+        elif layout.zero in (1, 2):  # reduce-scatter of the gradients after the flush (on the host when the
+            # optimizer is offloaded), all-gather of the updated parameters
+            dp_per_param += ring * rb
             dp_const += (dp - 1) * dp_lat
             opt_per_param += ring * wb
             opt_const += (dp - 1) * dp_lat
-        elif layout.zero == 2:  # the reduce-scatter is overlapped with the backward
-            opt_per_param += ring * wb
-            opt_const += (dp - 1) * dp_lat
-            if layout.offload.optimizer != "device":  # ZeRO-Offload: of the host gradients, after the backward
-                dp_per_param += ring * gb
-                dp_const += (dp - 1) * dp_lat
     shard = 1.0 / (layout.replicas if layout.zero >= 3 else dp) if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":
