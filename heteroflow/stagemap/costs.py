@@ -45,6 +45,7 @@ from heteroflow.layout.shards import (embedding_params_per_rank, head_params_per
                                       layer_params_per_rank)
 from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
+from heteroflow.stagemap.topology import Placement, slices, stage_fractions
 from heteroflow.layout import GRAD_REDUCE_BYTES, ParallelLayout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, dtype_bytes,
                                         memory_from_parts, memory_parts,
@@ -71,6 +72,9 @@ class StageHardware:
     num_nodes: int
     node_count: int
     """Devices per node on these nodes (shares of NVMe and host memory bandwidth)."""
+    placement: Placement | None = None
+    """(node ordinal, device index) of each stage-local rank, for the device's topology; None: any slice of a
+    node of this size (the planner), priced as the slowest (`stagemap.topology`)."""
 
     @property
     def single_node(self) -> bool:
@@ -231,8 +235,8 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     if layout.zero >= 3:
         emb_f, emb_b, head_f, head_b = (emb_f + b.zero3_extras[0], emb_b + b.zero3_extras[1],
                                         head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
-    dp_const, dp_per_param, opt_const, opt_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb,
-                                                             b.ob)
+    dp_const, dp_per_param, opt_const, opt_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.cp_bw,
+                                                             b.wb, b.gb, b.ob)
     comm = StageComm(fwd_layer_s=b.tp_fwd, bwd_layer_s=tp_bwd, fwd_first_s=b.comm_emb_f, bwd_first_s=0.0,
                      fwd_last_s=b.comm_head_f, bwd_last_s=b.comm_head_b, dp_const_s=dp_const,
                      dp_per_param_s=dp_per_param)
@@ -264,6 +268,8 @@ class _Base:
     """The tp collectives inside emb_f, head_f and head_b."""
     dp_bw: float
     dp_lat: float
+    cp_bw: float
+    """GB/s of the stage's cp collectives (the tp link, on the cp groups' slowest links)."""
     p_layer: float
     gather_weights_s: float
     zero3_scatter_s: float
@@ -290,14 +296,18 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     gb = act  # a gradient as autograd produces it (what an offloaded optimizer copies to the host)
     tokens = mbs / dp * model.seq_length / cp
     lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act)
+    tp_frac, cp_frac, dp_frac = _topology_fractions(hw, ParallelLayout(tp=tp, cp=cp, dp=dp), emulate)
     intra, intra_lat = dev.tp_link()
+    cp_bw = intra * cp_frac
+    intra *= tp_frac
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
+    dp_bw *= dp_frac if hw.single_node else 1.0
     act_bytes = tokens * model.hidden_size * act
     tp_fwd = 2 * all_reduce_s(act_bytes, tp, intra, intra_lat)
     # Context parallelism: all-gather of every rank's K/V chunk in the forward; gather again and
     # reduce-scatter their gradients in the backward.
     kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * act
-    cp_fwd = all_gather_s(cp * kv_chunk, cp, intra, intra_lat)
+    cp_fwd = all_gather_s(cp * kv_chunk, cp, cp_bw, intra_lat)
     attn_fwd = lc.attention_s + cp_fwd
     attn_bwd = lc.attention_backward_s + 2 * cp_fwd
     p_layer = layer_params_per_rank(model, tp)
@@ -325,6 +335,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + lc.overhead_backward_s,
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                  comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
+                 cp_bw=cp_bw,
                  p_layer=p_layer, gather_weights_s=all_gather_s(p_layer * wb, z3, dp_bw, dp_lat),
                  zero3_scatter_s=all_gather_s(p_layer * GRAD_REDUCE_BYTES, z3, dp_bw, dp_lat), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
@@ -334,6 +345,17 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                                                       capacity_gib=dev.memory_gib),
                                          context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
                                                                         dtype_bytes=act)))
+
+
+def _topology_fractions(hw: StageHardware, layout: ParallelLayout, emulate: bool) -> tuple[float, float, float]:
+    """(tp, cp, dp) multipliers of the stage's collective bandwidth from its device type's node topology (1.0
+    emulated: every rank is a local process)."""
+    dev = hw.device
+    if emulate or dev.topology is None:
+        return 1.0, 1.0, 1.0
+    placements = [hw.placement] if hw.placement is not None else slices(hw.num_devices, hw.node_count)
+    return stage_fractions(dev.topology, layout, placements, host_gb_per_s=dev.host_link_gb_per_s,
+                           device_gb_per_s=dev.intra_node_gb_per_s)
 
 
 def context_parallel_working_bytes(model: ModelSpec, *, tokens: float, tp: int, cp: int, dtype_bytes: int) -> float:
@@ -359,7 +381,7 @@ def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[flo
     return dev.host_link_gb_per_s, dev.host_link_gb_per_s
 
 
-def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float,
+def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float, cp_bw: float,
           wb: int, gb: int, ob: int) -> tuple[float, float, float, float]:
     """The step's tail as (constant seconds, seconds per parameter held by a device) of the dp gradient
     reduction, then the same of the optimizer step (which, as the runtime's does, includes ZeRO's all-gather
@@ -369,8 +391,8 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     dp_const = dp_per_param = opt_const = opt_per_param = 0.0
     if layout.cp > 1 and layout.zero < 3:  # each cp rank's gradients are its tokens': summed over cp first
         # (ZeRO-3's reduce-scatter sums over cp x dp at once, during the backward)
-        cp_gb_per_s, cp_latency_s = dev.tp_link()
-        dp_per_param += 2 * (layout.cp - 1) / layout.cp * rb / (cp_gb_per_s * 1e9)
+        cp_latency_s = dev.tp_link()[1]
+        dp_per_param += 2 * (layout.cp - 1) / layout.cp * rb / (cp_bw * 1e9)
         dp_const += 2 * (layout.cp - 1) * cp_latency_s
     if dp > 1:
         ring = (dp - 1) / dp / (dp_bw * 1e9)

@@ -153,8 +153,10 @@ def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tupl
     if device is None:
         raise UserError(f"device type {stage.device_type!r} cannot train in {precision}")
     nodes = frozenset(r.node for r in stage.device_refs)
+    ordinal = {n: k for k, n in enumerate(dict.fromkeys(r.node for r in stage.device_refs))}
     return StageHardware(device=device, num_devices=stage.num_devices, num_nodes=len(nodes),
-                         node_count=max(job.cluster.node(n).count for n in nodes)), nodes
+                         node_count=max(job.cluster.node(n).count for n in nodes),
+                         placement=tuple((ordinal[r.node], r.index) for r in stage.device_refs)), nodes
 
 
 def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = None,
