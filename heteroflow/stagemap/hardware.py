@@ -150,6 +150,9 @@ class Hardware:
     """Emulation: the host's cores, which the ranks' threads share."""
     threads_per_rank: int = 1
     """Emulation: threads of each rank (`threads_per_process`)."""
+    oversubscribed_slowdown: tuple[tuple[float, float], ...] = ()
+    """Emulation: the host's measured (threads per core, slowdown) beyond processor sharing (a profile's
+    `emulation` section; empty: none)."""
 
     def device(self, device_type: str, precision: str) -> DeviceModel | None:
         """The model of `device_type` computing in `precision`; None when it cannot train in it."""

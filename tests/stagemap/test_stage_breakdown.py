@@ -95,7 +95,7 @@ def test_busy_stages_split_their_time_by_the_priced_proportions():
              MicroBatchParts(forward_s=1.0, forward_comm_s=0.0, backward_s=2.0, backward_comm_s=0.0, dp_s=0.0,
                              optimizer_s=3.0)]
     alone = step_breakdown(parts, [0.0, 0.0], [0.0, 0.0], 2, "1f1b")
-    shared = step_breakdown(parts, [0.0, 0.0], [0.0, 0.0], 2, "1f1b", shared=([1, 1], 1))
+    shared = step_breakdown(parts, [0.0, 0.0], [0.0, 0.0], 2, "1f1b", shared=([1, 1], 1, ()))
     for result in (alone, shared):
         for times in result.stages:
             assert times.total_s == pytest.approx(result.step_s)
