@@ -26,8 +26,8 @@ Overlap assumptions:
 - Gradient reductions (over dp, over cp, ZeRO-3's reduce-scatters) send `layout.GRAD_REDUCE_BYTES` per
   element, the fp32 buffer the runtime reduces, whatever the stage computes in.
 - ZeRO 1/2 with the optimizer offloaded (ZeRO-Offload): every gradient goes to the host (in the compute
-  dtype), is reduce-scattered there over dp (after the backward), the host Adam updates 1/dp of the state and 1/dp of
-  the updated weights go back up before the all-gather.
+  dtype), is reduce-scattered there over dp (after the backward), the host Adam updates 1/dp of the state and
+  1/dp of the updated weights go back up before the all-gather.
 - Offload bandwidths: the device's host link for CPU; for SSD the node's NVMe read/write bandwidth shared
   by the node's devices (and never more than the host link); CPU Adam streams 28 bytes per parameter at
   the node's host memory bandwidth shared by its devices; the on-device AdamW streams what heteroflow's

@@ -18,8 +18,8 @@ from heteroflow.stagemap.costs import (DEVICE_ADAM_BYTES_PER_PARAM, FLAT_BUFFER_
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.emulation import emulated_device, in_block_slowdown
 from heteroflow.stagemap.hardware import Hardware, threads_per_process
-from heteroflow.stagemap.profile import (PROFILE_VERSION, DeviceProfile, HostProfile, LinkProfile, Profile, ThreadProfile,
-                                         curve_rate)
+from heteroflow.stagemap.profile import (PROFILE_VERSION, DeviceProfile, HostProfile, LinkProfile, Profile,
+                                         ThreadProfile, curve_rate)
 
 TINY = PRESETS["tiny-llama"]
 REFERENCE = {"hidden_size": 192, "ffn_hidden_size": 512, "num_attention_heads": 6, "num_kv_heads": 2,
