@@ -6,8 +6,9 @@ Two local processes over gloo hold one tp=2 stage (tiny-llama's first layers, em
 "step" is forward and backward of every micro-batch, then the ranks meet in a world all-reduce (the step's
 norm all-reduce). Timed, as `runtime.worker` does it: a `PartTimer` part around every forward and backward,
 the stage's tp collectives timed inside them (`tp_ops.timing_collectives`), `collect` after the step and
-`gather_stage_figures` (the per-step gather to rank 0). Plain: none of it. Rounds alternate which comes
-first, so both see the same machine load; the ratio is timed / plain of the median step time.
+`gather_step_figures` (the per-step gather to rank 0, here with zero memory figures). Plain: none of it.
+Rounds alternate which comes first, so both see the same machine load; the ratio is timed / plain of the median
+step time.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _rank(rank: int, world_size: int, args) -> dict:
     from heteroflow.models.llama import build_stage_model
     from heteroflow.models.parallelize import parallelize_stage
     from heteroflow.models.tp_ops import timing_collectives
-    from heteroflow.runtime.stage_times import gather_stage_figures, rank_figures
+    from heteroflow.runtime.memory import MEASURED_KEYS
+    from heteroflow.runtime.stage_times import gather_step_figures, rank_figures
 
     job = parse_job({"cluster": {"nodes": [{"name": "a", "device": "cpu", "count": 2}]},
                      "model": {"preset": "tiny-llama"}, "train": {"global_batch_size": 2, "precision": "fp32"},
@@ -77,7 +79,8 @@ def _rank(rank: int, world_size: int, args) -> dict:
         dist.all_reduce(torch.zeros(2))
         if timed:
             figures = rank_figures(timer.collect(), step_s=time.perf_counter() - started)
-            gather_stage_figures(figures, rank_map=rank_map, group=dist.group.WORLD, rank=rank)
+            gather_step_figures(figures, dict.fromkeys(MEASURED_KEYS, 0), rank_map=rank_map, group=dist.group.WORLD,
+                                rank=rank)
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - started
 

@@ -3,13 +3,19 @@
 The unknowns are the log of each factor (`stagemap.calibration.FACTORS`) of each device type the runs'
 plans use. With `r_i(theta) = log(predicted_i(theta)) - log(measured_i)` the fit minimizes
 
-    sum_i r_i(theta)^2 + prior_weight^2 * |theta|^2
+    sum_i r_i(theta)^2 + prior_weight^2 * theta' P theta
 
-(the prior pulls every factor toward 1.0, the uncalibrated model). The Jacobian is taken numerically on the
-cost model itself (`evaluate_plan`), so whatever the model does with a rate, the fit sees. A factor is
-"not pinned down" when the runs do not determine it: its diagonal entry of the resolution matrix
-`(J'J + w^2 I)^-1 J'J` is below `PINNED_RESOLUTION` (no sensitivity at all, or one that other factors can
-trade against, as in a rank-deficient Jacobian); it then stays near its prior.
+(the prior pulls every factor toward 1.0, the uncalibrated model). The prior is hierarchical: each log factor of
+a device type is that type's common log factor plus its own deviation, both centred on 0, the common one with
+`COMMON_SHARE` times the variance of the other (P = `prior_precision`). A stack whose runs show slow GEMMs is
+then taken to be somewhat slow in what the runs cannot separate too (its collectives, say), instead of exactly
+as fast there as the catalog says, which made a fit from few runs push the whole misfit into the factor the runs
+are most sensitive to (the GEMM rate) and misorder held-out plans that differ in their share of communication.
+The Jacobian is taken numerically on the cost model itself (`evaluate_plan`), so whatever the model does with a
+rate, the fit sees. A factor is "not pinned down" when the runs do not determine it: its diagonal entry of the
+resolution matrix `(J'J + w^2 P)^-1 J'J` is below `PINNED_RESOLUTION` (no sensitivity at all, or one that other
+factors can trade against, as in a rank-deficient Jacobian); it then stays near its prior: between 1.0 and where
+the device type's pinned factors went (in log, `COMMON_SHARE / (1 + COMMON_SHARE)` of the way).
 
 With `stage_parts`, the residuals also hold `PART_WEIGHT * (log(predicted) - log(measured))` of each stage's
 measured parts (`calibrate.runs.FIT_PARTS`) against the cost model's split of the same step
@@ -36,6 +42,9 @@ PINNED_RESOLUTION = 0.5
 STEP_LOG = 1e-3
 """Finite-difference step on a log-factor."""
 MAX_ITERATIONS = 50
+COMMON_SHARE = 0.5
+"""Prior variance of a device type's common log factor, relative to each factor's own deviation from it: a
+stack is expected to be somewhat slow (or fast) across the board, more in some rates than in others."""
 PART_WEIGHT = 0.5
 """With `stage_parts`, weight of one stage part's log misfit relative to a run's step time."""
 EMULATED = "emulated"
@@ -116,10 +125,11 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
         return np.stack(columns, axis=1) if columns else np.zeros((len(base), 0))
 
     start = log_predicted(np.zeros(len(params)))  # all factors 1.0: the uncalibrated model
-    theta, prediction = _solve(log_predicted, jacobian, measured, len(params), prior_weight, start)
+    prior = prior_weight ** 2 * prior_precision(params)
+    theta, prediction = _solve(log_predicted, jacobian, measured, prior, start)
     jac = jacobian(theta, prediction)
     gram = jac.T @ jac
-    resolution = np.diag(np.linalg.solve(gram + prior_weight ** 2 * np.eye(len(params)), gram)) if params else []
+    resolution = np.diag(np.linalg.solve(gram + prior, gram)) if params else []
     names = tuple(f"{d}.{f}" for d, f in params)
     not_pinned = tuple(n for n, r in zip(names, resolution) if r < PINNED_RESOLUTION)
     before = start[:len(runs)].tolist()  # the step times; the parts follow them
@@ -137,23 +147,32 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
                predicted_after_s=tuple(after), runs=tuple(runs))
 
 
-def _solve(log_predicted, jacobian, measured: np.ndarray, k: int, weight: float,
+def prior_precision(params: list[tuple[str, str]]) -> np.ndarray:
+    """The prior's precision matrix over the log factors `params` (`(device type, factor)` pairs), in units of
+    `prior_weight ** 2`: the inverse of the covariance `I + COMMON_SHARE * S`, where `S[i, j]` is 1 when
+    factors i and j belong to one device type (see the module docstring)."""
+    same = np.array([[float(d == e) for e, _ in params] for d, _ in params]).reshape(len(params), len(params))
+    return np.linalg.inv(np.eye(len(params)) + COMMON_SHARE * same)
+
+
+def _solve(log_predicted, jacobian, measured: np.ndarray, prior: np.ndarray,
            start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Levenberg-Marquardt on `|log_predicted(theta) - measured|^2 + weight^2 |theta|^2` from theta = 0;
+    """Levenberg-Marquardt on `|log_predicted(theta) - measured|^2 + theta' prior theta` from theta = 0;
     returns theta and log_predicted(theta)."""
+    k = len(prior)
     theta, prediction = np.zeros(k), start
     if k == 0:
         return theta, prediction
     low, high = math.log(FACTOR_LIMIT[0]), math.log(FACTOR_LIMIT[1])
 
     def cost(t: np.ndarray, p: np.ndarray) -> float:
-        return float(np.sum((p - measured) ** 2) + weight ** 2 * np.sum(t ** 2))
+        return float(np.sum((p - measured) ** 2) + t @ prior @ t)
 
     damping, current = 1e-3, cost(theta, prediction)
     for _ in range(MAX_ITERATIONS):
         jac = jacobian(theta, prediction)
-        gram = jac.T @ jac + weight ** 2 * np.eye(k)
-        gradient = jac.T @ (prediction - measured) + weight ** 2 * theta
+        gram = jac.T @ jac + prior
+        gradient = jac.T @ (prediction - measured) + prior @ theta
         improved = False
         while damping < 1e8:
             step = np.linalg.solve(gram + damping * np.diag(np.diag(gram)), gradient)

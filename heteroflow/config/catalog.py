@@ -13,11 +13,21 @@ reports" in `source`; a cluster YAML can override any field under `cluster.devic
 from __future__ import annotations
 
 from heteroflow.config.device import DeviceSpec
+from heteroflow.config.topology import NodeTopology, full_mesh
 from heteroflow.errors import UserError, did_you_mean
 
 # PCIe per direction, x16: Gen3 ~16, Gen4 ~32, Gen5 ~64 GB/s.
 _PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0
 _APPROX = "approximate, public reports"
+
+DGX1_HYBRID_CUBE_MESH = NodeTopology(link_gb_per_s=25.0, links=(
+    (0, 1, 1, 2, 2, 0, 0, 0), (1, 0, 2, 1, 0, 2, 0, 0), (1, 2, 0, 2, 0, 0, 1, 0), (2, 1, 2, 0, 0, 0, 0, 1),
+    (2, 0, 0, 0, 0, 1, 1, 2), (0, 2, 0, 0, 1, 0, 2, 1), (0, 0, 1, 0, 1, 2, 0, 2), (0, 0, 0, 1, 2, 1, 2, 0)))
+"""NVIDIA DGX-1 with V100 (`nvidia-smi topo -m`: NV1 / NV2 between pairs, SYS where no NVLink): six NVLink2 links
+of 25 GB/s per direction per GPU, each GPU linked to the three others of its quad and to one GPU of the other."""
+
+_HCCS_910B = "HCCS 392 GB/s bidirectional, 8-chip full mesh (7 links of 28 GB/s each way)"
+_MESH_910B = full_mesh(8, 8, 28.0)
 
 _SPECS = (
     # NVIDIA. 80 GB before 40 GB so a did-you-mean for 'a100' offers the common card first.
@@ -50,7 +60,8 @@ _SPECS = (
                tflops_bf16=None, tflops_fp16=125, tflops_fp32=15.7,
                hbm_gb_per_s=900, intra_node_gb_per_s=150, host_link_gb_per_s=_PCIE3,
                source="NVIDIA V100 datasheet (SXM2 32GB; fp16 tensor cores, no bf16); "
-                      "NVLink2 300 GB/s bidirectional"),
+                      "NVLink2 300 GB/s bidirectional; DGX-1 hybrid cube mesh",
+               topology=DGX1_HYBRID_CUBE_MESH),
     # AMD.
     DeviceSpec(name="amd-mi250x", vendor="amd", memory_gib=64,
                tflops_bf16=191.5, tflops_fp16=191.5, tflops_fp32=23.95,
@@ -61,7 +72,9 @@ _SPECS = (
     DeviceSpec(name="amd-mi300x", vendor="amd", memory_gib=192,
                tflops_bf16=1307.4, tflops_fp16=1307.4, tflops_fp32=163.4,
                hbm_gb_per_s=5300, intra_node_gb_per_s=448, host_link_gb_per_s=_PCIE5,
-               source="AMD Instinct MI300X datasheet; 7 Infinity Fabric links x 64 GB/s per direction"),
+               source="AMD Instinct MI300X datasheet; 7 Infinity Fabric links x 64 GB/s per direction, "
+                      "8-GPU full mesh",
+               topology=full_mesh(8, 8, 64.0)),
     # Hygon DCU (ROCm-compatible DTK stack).
     DeviceSpec(name="hygon-z100", vendor="hygon", memory_gib=32,
                tflops_bf16=None, tflops_fp16=24.5, tflops_fp32=12.2,
@@ -85,23 +98,24 @@ _SPECS = (
                tflops_bf16=None, tflops_fp16=256, tflops_fp32=None,
                hbm_gb_per_s=1200, intra_node_gb_per_s=90, host_link_gb_per_s=_PCIE4,
                source="Huawei Ascend 910 (Hot Chips 2019): 256 TFLOP/s fp16 only, no bf16; "
-                      "3 HCCS links x 30 GB/s inside a 4-chip mesh"),
+                      "3 HCCS links x 30 GB/s inside a 4-chip mesh (two meshes a node, PCIe between them)",
+               topology=full_mesh(8, 4, 30.0)),
     DeviceSpec(name="ascend-910b1", vendor="ascend", memory_gib=64,
                tflops_bf16=379, tflops_fp16=379, tflops_fp32=None,
                hbm_gb_per_s=1600, intra_node_gb_per_s=196, host_link_gb_per_s=_PCIE5,
-               source=f"{_APPROX}: 64 GB HBM2e; HCCS 392 GB/s bidirectional, 8-chip full mesh"),
+               source=f"{_APPROX}: 64 GB HBM2e; {_HCCS_910B}", topology=_MESH_910B),
     DeviceSpec(name="ascend-910b2", vendor="ascend", memory_gib=64,
                tflops_bf16=354, tflops_fp16=354, tflops_fp32=None,
                hbm_gb_per_s=1600, intra_node_gb_per_s=196, host_link_gb_per_s=_PCIE5,
-               source=f"{_APPROX}: 64 GB HBM2e; HCCS 392 GB/s bidirectional, 8-chip full mesh"),
+               source=f"{_APPROX}: 64 GB HBM2e; {_HCCS_910B}", topology=_MESH_910B),
     DeviceSpec(name="ascend-910b3", vendor="ascend", memory_gib=64,
                tflops_bf16=313, tflops_fp16=313, tflops_fp32=None,
                hbm_gb_per_s=1600, intra_node_gb_per_s=196, host_link_gb_per_s=_PCIE5,
-               source=f"{_APPROX}: 64 GB HBM2e; HCCS 392 GB/s bidirectional, 8-chip full mesh"),
+               source=f"{_APPROX}: 64 GB HBM2e; {_HCCS_910B}", topology=_MESH_910B),
     DeviceSpec(name="ascend-910b4", vendor="ascend", memory_gib=32,
                tflops_bf16=280, tflops_fp16=280, tflops_fp32=None,
                hbm_gb_per_s=800, intra_node_gb_per_s=196, host_link_gb_per_s=_PCIE5,
-               source=f"{_APPROX}: 32 GB HBM2e; HCCS 392 GB/s bidirectional, 8-chip full mesh"),
+               source=f"{_APPROX}: 32 GB HBM2e; {_HCCS_910B}", topology=_MESH_910B),
     # The CPU "device" every emulated rank runs on. Measured, not published: torch 2.13 CPU build,
     # 2 threads per rank, 2048-4096 square matmuls; memory copy for HBM and host link; gloo
     # send/recv between two local processes for intra-node. memory_gib is a per-rank budget.

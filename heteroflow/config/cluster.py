@@ -10,6 +10,7 @@ from heteroflow.config import limits
 from heteroflow.config.catalog import ALIASES, CATALOG
 from heteroflow.config.device import VENDORS, DeviceSpec
 from heteroflow.config.reader import REQUIRED, Problems, Section, type_name
+from heteroflow.config.topology import parse_topology
 from heteroflow.errors import did_you_mean
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -137,6 +138,8 @@ def _parse_device_type(name: str, sec: Section, base: DeviceSpec | None) -> Devi
         default = REQUIRED if required else (getattr(base, f) if base else DeviceSpec.__dataclass_fields__[f].default)
         values[f] = sec.number(f, default, limit=_DEVICE_NUMBER_LIMITS[f])
     source = sec.string("source", None)
+    topology_sec = sec.mapping("topology", None)
+    topology = parse_topology(topology_sec) if topology_sec is not None else (base.topology if base else None)
     sec.finish()
     if base is None and all(values[f] is None for f in ("tflops_bf16", "tflops_fp16", "tflops_fp32")):
         sec.problems.add(sec.path, "a custom device type needs at least one of tflops_bf16, tflops_fp16, "
@@ -146,8 +149,8 @@ def _parse_device_type(name: str, sec: Section, base: DeviceSpec | None) -> Devi
         return None
     source = source or ("cluster.device_types override of " + base.source if base else "cluster.device_types")
     if base is not None:
-        return replace(base, vendor=vendor, source=source, **values)
-    return DeviceSpec(name=name, vendor=vendor, source=source, **values)
+        return replace(base, vendor=vendor, source=source, topology=topology, **values)
+    return DeviceSpec(name=name, vendor=vendor, source=source, topology=topology, **values)
 
 
 def parse_env(sec: Section, key: str = "env") -> dict[str, str] | None:
@@ -238,6 +241,12 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
             problems.add(node_sec.at("device"), f"unknown device type {device!r}" + did_you_mean(device, [*known, *ALIASES])
                          + "; declare it under cluster.device_types or run `heteroflow devices --catalog`")
             device = None
+        topology = known[device].topology if device is not None else None
+        if topology is not None and count is not None and count > topology.num_devices:
+            problems.add(node_sec.at("count"), f"{count} devices, but the topology of {device!r} describes "
+                         f"{topology.num_devices}; describe the node's links under cluster.device_types.{device}"
+                         ".topology")
+            count = None
         if None not in (name, device, count):
             nodes.append(NodeSpec(name=name, device=device, count=count, host=host, env=node_env))
             types.setdefault(device, known[device])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from heteroflow.config.topology import NodeTopology
 from heteroflow.layout import PRECISIONS
 
 __all__ = ["PRECISIONS", "VENDORS", "DeviceSpec"]
@@ -38,6 +39,9 @@ class DeviceSpec:
     """Device-to-host bandwidth per direction in GB/s (PCIe); used by host staging and offload."""
     source: str = ""
     """Where the numbers come from (datasheet, measurement, user override)."""
+    topology: NodeTopology | None = None
+    """How a node's devices of this type are linked (`config.topology`); None: each reaches every other at
+    `intra_node_gb_per_s`, as through a switch."""
 
     def peak_tflops(self, precision: str) -> float | None:
         """Dense peak TFLOP/s for `precision` (`bf16`, `fp16`, `fp32`), or None if unsupported."""
@@ -51,4 +55,6 @@ class DeviceSpec:
 
     def to_dict(self) -> dict:
         """Plain data for JSON/YAML output."""
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out["topology"] = self.topology.to_dict() if self.topology is not None else None
+        return out

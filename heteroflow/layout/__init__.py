@@ -15,10 +15,11 @@ from heteroflow.layout.parallel import (ACTIVATION_TIERS, PRECISIONS, RECOMPUTE,
 from heteroflow.layout.schedule import SCHEDULES, Action, in_flight, max_in_flight, stage_actions
 from heteroflow.layout.shards import (counted_once, embedding_params_per_rank, head_params_per_rank, heads_per_rank,
                                       kv_heads_per_rank, layer_params_per_rank, replicates_kv_heads)
-from heteroflow.layout.state import StateBytes, optimizer_shards, state_bytes
+from heteroflow.layout.state import GRAD_REDUCE_BYTES, StateBytes, optimizer_shards, state_bytes
 
 __all__ = [
-    "ACTIVATION_TIERS", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "STATE_TIERS", "ZERO_STAGES", "Action", "LayoutProblem",
+    "ACTIVATION_TIERS", "GRAD_REDUCE_BYTES", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "STATE_TIERS", "ZERO_STAGES",
+    "Action", "LayoutProblem",
     "ModelShape", "OffloadSpec", "ParallelLayout", "StateBytes", "counted_once", "embedding_params_per_rank",
     "head_params_per_rank", "heads_per_rank", "in_flight", "kv_heads_per_rank", "layer_params_per_rank",
     "max_in_flight", "optimizer_shards", "replicates_kv_heads", "stage_actions", "state_bytes", "tp_problems", "tp_valid",

@@ -130,6 +130,18 @@ class ParallelLayout:
         parameter over them (`models.zero3`), ZeRO 1 and 2 over dp alone."""
         return self.cp * self.dp
 
+    def axis_groups(self, axis: str) -> tuple[tuple[int, ...], ...]:
+        """The stage-local ranks of every `axis` group (tp, cp or dp), each in rank order: local rank
+        `(d * cp + c) * tp + t` holds dp index d, cp index c and tp index t."""
+        dp, cp, tp = range(self.dp), range(self.cp), range(self.tp)
+        rank = [[[(d * self.cp + c) * self.tp + t for t in tp] for c in cp] for d in dp]
+        if axis == "tp":
+            return tuple(tuple(rank[d][c]) for d in dp for c in cp)
+        if axis == "cp":
+            return tuple(tuple(rank[d][c][t] for c in cp) for d in dp for t in tp)
+        assert axis == "dp", axis
+        return tuple(tuple(rank[d][c][t] for d in dp) for c in cp for t in tp)
+
     def compute_precision(self, default: str) -> str:
         """The precision the stage computes in: its own, or `default` (the job's) when it sets none."""
         return self.precision or default

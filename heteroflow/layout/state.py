@@ -6,6 +6,8 @@ optimizer keeps an fp32 master copy of the weights (4) and the Adam moments (4 +
 are the master copy: 4 + 4 + 8. ZeRO 1 and 2 divide the master and the moments over the stage's dp; the
 gradient buffer stays whole on every dp rank (it accumulates every micro-batch's gradient before the dp
 reduce-scatter, as Megatron's distributed optimizer keeps it), so ZeRO 2 holds what ZeRO 1 holds.
+
+What the dp reduction sends is that fp32 buffer, whatever the stage computes in (`GRAD_REDUCE_BYTES`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ class StateBytes:
 _STATE_BYTES = {"bf16": StateBytes(weights=2, grads=4, master=4, moments=8),
                 "fp16": StateBytes(weights=2, grads=4, master=4, moments=8),
                 "fp32": StateBytes(weights=4, grads=4, master=0, moments=8)}
+
+
+GRAD_REDUCE_BYTES = 4
+"""Bytes per gradient element that a stage's gradient reductions send, in every precision: the fp32 gradient
+buffer all-reduced (ZeRO 0) or reduce-scattered (ZeRO 1/2) over dp and all-reduced over cp
+(`models.data_parallel`), ZeRO-3's fp32 reduce-scatter (FSDP2 `reduce_dtype`), the host fp32 buffer of an
+offloaded optimizer. The time model prices the traffic at this size."""
 
 
 def state_bytes(precision: str) -> StateBytes:

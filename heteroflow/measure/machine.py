@@ -8,7 +8,9 @@
 - the link between two local processes over the backend in use (gloo on CPU, nccl with two GPUs), in a
   child process pair on a free port, with a timeout (fastest round trips: waiting for a core is not the link);
 - sequential disk write and read with O_DIRECT (aligned buffers), falling back to fsync + dropping the
-  page cache where the file system refuses O_DIRECT (the profile says which).
+  page cache where the file system refuses O_DIRECT (the profile says which);
+- on a CPU host, what emulated ranks pay beyond those rates (`emulation`: all-reduces between busy processes,
+  more processes than cores; see `measure.emulation`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 from heteroflow.config.catalog import CATALOG
 from heteroflow.errors import UserError
+from heteroflow.measure.emulation import measure_emulation
 from heteroflow.measure.thread import measure_cpu_thread
 from heteroflow.measure.timing import PROFILE_DTYPES, square_gemm_tflops, sync_for, time_calls
 from heteroflow.stagemap.profile import DeviceProfile, DiskProfile, HostProfile, LinkProfile, Profile
@@ -51,7 +54,9 @@ def measure_profile(*, quick: bool = False, device_type: str | None = None, disk
     link_profile = _measure_link(cuda and torch.cuda.device_count() >= 2, 4 if quick else 64, link_timeout_s) if link else None
     disk = _measure_disk(disk_dir or tempfile.gettempdir(), 16 if quick else 256)
     cpu_thread = measure_cpu_thread(quick=quick)
-    return Profile(host=host, devices=(dev,), link=link_profile, disk=disk, cpu_thread=cpu_thread)
+    emulation = measure_emulation(quick=quick, timeout_s=2 * link_timeout_s) if link and not cuda else None
+    return Profile(host=host, devices=(dev,), link=link_profile, disk=disk, cpu_thread=cpu_thread,
+                   emulation=emulation)
 
 
 def _cpu_name() -> str:

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from heteroflow.layout.shards import counted_once, zero_flat_range
-from heteroflow.layout.state import state_bytes
+from heteroflow.layout.state import GRAD_REDUCE_BYTES, state_bytes
 from heteroflow.models.shard import shard_of
 from heteroflow.models.tp_ops import _ALL_GATHER, _REDUCE_SCATTER
 from heteroflow.optim.adamw import adamw_step
@@ -136,7 +136,9 @@ class DataParallelAdamW:
         dtype = self.segments[0].param.dtype if self.segments else torch.float32
         device = self.segments[0].param.device if self.segments else None
         self.state = state_bytes(PRECISION_OF_DTYPE[dtype])
-        assert torch.finfo(dtype).bits == 8 * self.state.weights and self.state.grads == 4, (dtype, self.state)
+        # The fp32 buffer is what `reduce_grads` sends: the planner prices the traffic at GRAD_REDUCE_BYTES.
+        assert torch.finfo(dtype).bits == 8 * self.state.weights and self.state.grads == GRAD_REDUCE_BYTES == 4, (
+            dtype, self.state)
         self.params = torch.zeros(self.padded, dtype=dtype, device=device)
         self.main_grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
         self._grads: dict[int, torch.Tensor] = {}

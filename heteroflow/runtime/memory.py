@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from heteroflow.config import JobConfig, PlanSpec
@@ -25,7 +24,7 @@ from heteroflow.devices.facade import Device
 from heteroflow.stagemap.memory import stage_memory_bytes
 
 MEASURED_KEYS = ("params", "grads", "optimizer", "activations", "peak")
-"""The measured figures of one rank, in the order they travel in the per-step all-gather."""
+"""The measured figures of one rank, in the order they travel in the per-step gather (`runtime.stage_times`)."""
 
 
 class _Saved:
@@ -113,14 +112,6 @@ def reset_measurement(meter: SavedActivationMeter, device: Device) -> None:
     meter.reset_peak()
     if device.kind != "cpu":
         device.reset_peak_memory()
-
-
-def gather_measured(figures: dict[str, int], group: dist.ProcessGroup) -> list[dict[str, int]]:
-    """Every rank's figures, in rank order, on every rank: one small all-gather over `group`."""
-    mine = torch.tensor([figures[k] for k in MEASURED_KEYS], dtype=torch.int64)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [dict(zip(MEASURED_KEYS, map(int, t.tolist()))) for t in out]
 
 
 def planned_memory(job: JobConfig, plan: PlanSpec, stage: int) -> dict[str, int]:

@@ -3,8 +3,9 @@ the step's metrics record, next to the cost model's figures for the same parts.
 
 A rank times its step with a `PartTimer` (forward, backward, collective, wait in `runtime.pipeline`; dp, sync
 and optimizer in the worker); `other_s` is what the parts leave of the rank's step (data, bookkeeping) and
-`step_s` the rank's own step time. Rank 0 reports, per stage, the mean over the stage's ranks (the ranks of a
-stage run the same actions, so the mean keeps the parts adding up to the mean step).
+`step_s` the rank's own step time. They reach rank 0 with the rank's measured memory, in one gather. Rank 0
+reports, per stage, the mean over the stage's ranks (the ranks of a stage run the same actions, so the mean
+keeps the parts adding up to the mean step).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from heteroflow.backends import RankMap
+from heteroflow.runtime.memory import MEASURED_KEYS
 from heteroflow.stagemap.breakdown import PARTS
 
 MEASURED = (*PARTS, "other_s", "step_s")
@@ -35,20 +37,24 @@ def rank_figures(timed: dict[str, float], *, step_s: float) -> list[float]:
     return [*values, step_s - sum(values), step_s]
 
 
-def gather_stage_figures(figures: list[float], *, rank_map: RankMap, group: dist.ProcessGroup,
-                         rank: int) -> list[dict[str, float]] | None:
-    """Every rank's `rank_figures` to rank 0 (a collective over `group`, the world); rank 0 gets, per stage, the
-    mean over its ranks as `{key: seconds}`, the others None."""
-    mine = torch.tensor(figures, dtype=torch.float64)
+def gather_step_figures(figures: list[float], memory: dict[str, int], *, rank_map: RankMap,
+                        group: dist.ProcessGroup, rank: int
+                        ) -> tuple[list[dict[str, float]], list[dict[str, int]]] | None:
+    """Every rank's `rank_figures` and measured memory bytes (`runtime.memory.measured_memory`) to rank 0 in one
+    gather over `group` (the world), the step's one collective after its optimizer step. Rank 0 gets, per stage,
+    the mean of its ranks' times as `{key: seconds}` and, per rank in rank order, its memory figures; the others
+    None. The bytes travel as float64, exact below 2**53."""
+    mine = torch.tensor([*figures, *(float(memory[k]) for k in MEASURED_KEYS)], dtype=torch.float64)
     gathered = [torch.empty_like(mine) for _ in range(rank_map.world_size)] if rank == 0 else None
     dist.gather(mine, gathered, dst=0, group=group)
     if gathered is None:
         return None
-    out = []
+    times = []
     for stage in rank_map.stages:
-        mean = torch.stack([gathered[r] for r in stage.ranks]).mean(dim=0)
-        out.append({key: float(value) for key, value in zip(MEASURED, mean.tolist())})
-    return out
+        mean = torch.stack([gathered[r][:len(MEASURED)] for r in stage.ranks]).mean(dim=0)
+        times.append({key: float(value) for key, value in zip(MEASURED, mean.tolist())})
+    memories = [dict(zip(MEASURED_KEYS, (int(v) for v in t[len(MEASURED):].tolist()))) for t in gathered]
+    return times, memories
 
 
 def stage_records(measured: list[dict[str, float]], predicted: tuple[dict[str, float], ...] | None,

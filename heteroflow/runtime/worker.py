@@ -14,12 +14,12 @@ from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
 from heteroflow.optim.loss_scale import LossScaler
 from heteroflow.runtime.grad_faults import inject_grad_fault
-from heteroflow.runtime.memory import gather_measured, measured_memory, memory_record, reset_measurement
+from heteroflow.runtime.memory import measured_memory, memory_record, reset_measurement
 from heteroflow.runtime.metrics import MetricsWriter, ProgressBar, StepRecord, header_record
 from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, restarted_anywhere
 from heteroflow.runtime.progress import world_progress_board
 from heteroflow.runtime.stage_table import stage_table
-from heteroflow.runtime.stage_times import gather_stage_figures, rank_figures, stage_records
+from heteroflow.runtime.stage_times import gather_step_figures, rank_figures, stage_records
 from heteroflow.runtime.user_errors import TrainingDiverged, clear_user_error, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
@@ -217,13 +217,14 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                     raise TrainingDiverged(_overflow_message(step, scaler))
             device.synchronize()  # also completes the timer's events
             figures = rank_figures(timer.collect(), step_s=time.perf_counter() - started)
-            # A small world collective: every stage's figures to rank 0, which times the step after it.
-            measured = gather_stage_figures(figures, rank_map=groups.rank_map, group=groups.world, rank=rank)
+            # One small world collective: every rank's part times and memory to rank 0, which times the step after it.
+            gathered = gather_step_figures(figures, measured_memory(rt.optimizer, rt.meter, device),
+                                           rank_map=groups.rank_map, group=groups.world, rank=rank)
             step_time = time.perf_counter() - started
             losses.append(loss)
-            memory_measured = gather_measured(measured_memory(rt.optimizer, rt.meter, device), groups.world)
             if rank == 0:
-                assert measured is not None
+                assert gathered is not None
+                measured, memory_measured = gathered
                 record = StepRecord(step=step, loss=loss, aux_loss=aux_loss,
                                     tokens_per_s=global_tokens / step_time,
                                     step_time_s=step_time, lr=lr, grad_norm=grad_norm,

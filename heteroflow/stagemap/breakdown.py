@@ -62,20 +62,21 @@ class StepBreakdown:
 
 
 def step_breakdown(parts: list[MicroBatchParts], recv_forward: list[float], recv_backward: list[float],
-                   num_micro_batches: int, schedule: str, *, shared: tuple[list[int], int] | None = None
-                   ) -> StepBreakdown:
+                   num_micro_batches: int, schedule: str, *,
+                   shared: tuple[list[int], int, tuple[tuple[float, float], ...]] | None = None) -> StepBreakdown:
     """The step of stages priced at `parts` (per micro-batch, `StageCosts.parts`) that receive for `recv_forward[k]`
-    before each forward and `recv_backward[k]` before each backward, under `schedule`. `shared=(threads, cores)`:
-    stage k's ranks keep `threads[k]` threads busy and all share `cores` cores (emulation)."""
+    before each forward and `recv_backward[k]` before each backward, under `schedule`. `shared=(threads, cores,
+    oversubscribed)`: stage k's ranks keep `threads[k]` threads busy and all share `cores` cores, slowed by the
+    host's measured oversubscription (`pipeline.sharing_speed`; emulation)."""
     m = num_micro_batches
     fwd = [p.forward_s + p.forward_comm_s + p.forward_alltoall_s + r for p, r in zip(parts, recv_forward)]
     bwd = [p.backward_s + p.backward_comm_s + p.backward_alltoall_s + r for p, r in zip(parts, recv_backward)]
     tails = [p.dp_s + p.optimizer_s for p in parts]
     if shared is not None:
-        threads, cores = shared
-        run = run_shared(fwd, bwd, m, schedule, threads=threads, cores=cores)
+        threads, cores, oversubscribed = shared
+        run = run_shared(fwd, bwd, m, schedule, threads=threads, cores=cores, oversubscribed=oversubscribed)
         pipe, fwd_wall, bwd_wall = run.makespan_s, run.forward_wall_s, run.backward_wall_s
-        tail_wall = shared_ends(tails, threads=threads, cores=cores)
+        tail_wall = shared_ends(tails, threads=threads, cores=cores, oversubscribed=oversubscribed)
     else:
         pipe = pipeline_time(fwd, bwd, m, schedule)
         fwd_wall, bwd_wall, tail_wall = [m * f for f in fwd], [m * b for b in bwd], tails

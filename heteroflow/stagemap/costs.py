@@ -11,9 +11,8 @@ layout once and read off any layer count; `evaluate_plan` uses the same numbers.
 Overlap assumptions:
 - TP collectives are exposed (added to compute); recompute repeats the forward ones in the backward.
 - Per block, traffic that a prefetching runtime hides behind that block's compute is overlapped with it
-  (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, ZeRO-2
-  gradient reduce-scatters (every micro-batch), parameter fetches from CPU/SSD, activation offload to
-  CPU and back.
+  (time = max(compute, traffic)): ZeRO-3 parameter all-gathers and gradient reduce-scatters, parameter
+  fetches from CPU/SSD, activation offload to CPU and back.
 - Context parallelism (`models/cp_attention.py`): each block all-gathers K/V over cp before its attention
   in the forward, and gathers them again and reduce-scatters their gradients in the backward, exposed
   (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
@@ -23,13 +22,16 @@ Overlap assumptions:
   in the backward under full recompute) are exposed, on the ep group's links (`comm.ep_alltoall_s`), at the
   expected bytes of uniform routing times the load allowance (`layout.routing`). The routed experts'
   gradients are reduced over expert-dp, in collectives of their own when that group is not the dp group.
-- The tail of a step (DP gradient reduction for ZeRO 0/1, parameter all-gather after the step for ZeRO
-  1/2, the optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the
-  pipeline flush, and the step ends when the slowest stage finishes it (gradient clipping needs the
-  global norm, so the stages synchronize there).
-- ZeRO 1/2 with the optimizer offloaded (ZeRO-Offload): every gradient goes to the host, is reduce-scattered
-  there over dp (after the backward, also under ZeRO 2), the host Adam updates 1/dp of the state and 1/dp of
-  the updated weights go back up before the all-gather.
+- The tail of a step (the dp gradient reduction: an all-reduce for ZeRO 0, a reduce-scatter for ZeRO 1 and 2,
+  which `models.data_parallel` runs alike; the parameter all-gather after the step for ZeRO 1/2, the
+  optimizer step with any offload traffic and CPU Adam) is not overlapped: it starts after the pipeline flush,
+  and the step ends when the slowest stage finishes it (gradient clipping needs the global norm, so the stages
+  synchronize there).
+- Gradient reductions (over dp, over cp, ZeRO-3's reduce-scatters) send `layout.GRAD_REDUCE_BYTES` per
+  element, the fp32 buffer the runtime reduces, whatever the stage computes in.
+- ZeRO 1/2 with the optimizer offloaded (ZeRO-Offload): every gradient goes to the host (in the compute
+  dtype), is reduce-scattered there over dp (after the backward), the host Adam updates 1/dp of the state and
+  1/dp of the updated weights go back up before the all-gather.
 - Offload bandwidths: the device's host link for CPU; for SSD the node's NVMe read/write bandwidth shared
   by the node's devices (and never more than the host link); CPU Adam streams 28 bytes per parameter at
   the node's host memory bandwidth shared by its devices; the on-device AdamW streams what heteroflow's
@@ -48,9 +50,10 @@ from heteroflow.layout.shards import (embedding_params_per_rank, expert_params_p
                                       kv_heads_per_rank, layer_params_per_rank)
 from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
-from heteroflow.layout import ParallelLayout
+from heteroflow.stagemap.topology import Placement, slices, stage_fractions
+from heteroflow.layout import GRAD_REDUCE_BYTES, ParallelLayout
 from heteroflow.stagemap.memory import (Affine, MemoryModel, MemoryParts, activation_bytes, dtype_bytes,
-                                        REDUCE_BYTES, memory_from_parts, memory_parts,
+                                        memory_from_parts, memory_parts,
                                         memory_total_from_parts, state_bytes_per_param)
 
 ADAM_BYTES_PER_PARAM = 28
@@ -74,6 +77,9 @@ class StageHardware:
     num_nodes: int
     node_count: int
     """Devices per node on these nodes (shares of NVMe and host memory bandwidth)."""
+    placement: Placement | None = None
+    """(node ordinal, device index) of each stage-local rank, for the device's topology; None: any slice of a
+    node of this size (the planner), priced as the slowest (`stagemap.topology`)."""
 
     @property
     def single_node(self) -> bool:
@@ -235,8 +241,6 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     if layout.zero >= 3:  # `models.zero3`: gathered for forward, again for backward, gradients reduced in fp32
         overlap_fwd += b.gather_weights_s
         overlap_bwd += b.gather_weights_s + b.zero3_scatter_s
-    elif layout.zero == 2:
-        overlap_bwd += b.scatter_grads_s
     off = layout.offload
     if off.params != "device":
         read_bw, write_bw = _tier_bandwidth(hw.device, hw, off.params)
@@ -254,15 +258,15 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     if layout.zero >= 3:
         emb_f, emb_b, head_f, head_b = (emb_f + b.zero3_extras[0], emb_b + b.zero3_extras[1],
                                         head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
-    dp_const, dp_per_param, opt_const, opt_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.wb, b.gb,
-                                                             b.ob)
+    dp_const, dp_per_param, opt_const, opt_per_param = _tail(layout, hw.device, hw, b.dp_bw, b.dp_lat, b.cp_bw,
+                                                             b.wb, b.gb, b.ob)
     dp_expert = opt_expert = 0.0
     if b.p_expert and _separate_expert_groups(layout):
         # The routed experts' gradients are reduced (and their ZeRO state sharded) over expert-dp, in
         # collectives of their own: their per-parameter rates replace the dp ones, their latencies add.
         expert_layout = replace(layout, tp=1, cp=1, dp=layout.expert_dp, ep=1, etp=None)
         e_const, e_per_param, eo_const, eo_per_param = _tail(expert_layout, hw.device, hw, b.expert_dp_bw,
-                                                             b.expert_dp_lat, b.wb, b.gb, b.ob)
+                                                             b.expert_dp_lat, b.cp_bw, b.wb, b.gb, b.ob)
         dp_const, opt_const = dp_const + e_const, opt_const + eo_const
         dp_expert = (e_per_param - dp_per_param) * b.p_expert
         opt_expert = (eo_per_param - opt_per_param) * b.p_expert
@@ -304,6 +308,8 @@ class _Base:
     """The tp collectives inside emb_f, head_f and head_b."""
     dp_bw: float
     dp_lat: float
+    cp_bw: float
+    """GB/s of the stage's cp collectives (the tp link, on the cp groups' slowest links)."""
     expert_dp_bw: float
     expert_dp_lat: float
     """The link of the expert-dp rings (`etp * ep` of them run side by side, as tp * cp dp rings do)."""
@@ -314,7 +320,6 @@ class _Base:
     p_expert: float
     """The routed experts' share of `p_layer`."""
     gather_weights_s: float
-    scatter_grads_s: float
     zero3_scatter_s: float
     """A block's fp32 gradient reduce-scatter under ZeRO-3."""
     emb_f: float
@@ -336,13 +341,15 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     dev, precision = hw.device, hw.precision
     wb, _, ob = state_bytes_per_param(precision)
     act = dtype_bytes(precision)
-    # Gradient traffic (dp reduction, offload) is timed at the compute dtype's size, as the time model was
-    # calibrated; the runtime's dp reduction sends its fp32 buffer (issue 12 part 2 measures the difference).
-    gb = act
+    gb = act  # a gradient as autograd produces it (what an offloaded optimizer copies to the host)
     tokens = mbs / dp * model.seq_length / cp
     lc = layer_forward(model, dev, tokens=tokens, tp=tp, sp=sp, dtype_bytes=act, ep=ep, etp=etp)
+    tp_frac, cp_frac, dp_frac = _topology_fractions(hw, ParallelLayout(tp=tp, cp=cp, dp=dp), emulate)
     intra, intra_lat = dev.tp_link()
+    cp_bw = intra * cp_frac
+    intra *= tp_frac
     dp_bw, dp_lat = dp_link(dev, hardware, single_node=hw.single_node, tp=tp, cp=cp)
+    dp_bw *= dp_frac if hw.single_node else 1.0
     expert_tp = tp if etp is None else etp
     # etp * ep expert-dp rings run side by side; a node's NIC carries at most one per device of the node
     expert_dp_bw, expert_dp_lat = dp_link(dev, hardware, single_node=hw.single_node,
@@ -359,7 +366,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     # Context parallelism: all-gather of every rank's K/V chunk in the forward; gather again and
     # reduce-scatter their gradients in the backward.
     kv_chunk = tokens * 2 * kv_heads_per_rank(model, tp) * model.kv_channels * act
-    cp_fwd = all_gather_s(cp * kv_chunk, cp, intra, intra_lat)
+    cp_fwd = all_gather_s(cp * kv_chunk, cp, cp_bw, intra_lat)
     attn_fwd = lc.attention_s + cp_fwd
     attn_bwd = lc.attention_backward_s + 2 * cp_fwd
     p_layer = layer_params_per_rank(model, tp, ep=ep, etp=etp)
@@ -378,8 +385,8 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
     # collective spans the stage's cp x dp ranks (`ParallelLayout.replicas`), timed on the dp link.
     z3 = cp * dp
     emb_gather, head_gather = all_gather_s(p_emb * wb, z3, dp_bw, dp_lat), all_gather_s(p_head * wb, z3, dp_bw, dp_lat)
-    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * REDUCE_BYTES, z3, dp_bw, dp_lat),
-             head_gather, head_gather + all_gather_s(p_head * REDUCE_BYTES, z3, dp_bw, dp_lat))
+    zero3 = (emb_gather, emb_gather + all_gather_s(p_emb * GRAD_REDUCE_BYTES, z3, dp_bw, dp_lat),
+             head_gather, head_gather + all_gather_s(p_head * GRAD_REDUCE_BYTES, z3, dp_bw, dp_lat))
     # A block's ZeRO collectives: the routed experts' over expert-dp (cp x dp when the expert layout is tp's).
     p_expert = expert_params_per_rank(model, tp, ep=ep, etp=etp)
     expert_dp = tp * cp * dp // (expert_tp * ep)
@@ -397,10 +404,9 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  compute_bwd=2 * lc.gemm_s + attn_bwd + 2 * lc.elementwise_s + lc.overhead_backward_s,
                  attn_fwd=attn_fwd, activation_fn_s=lc.activation_fn_s, tp_fwd=tp_fwd, tp_bwd=tp_fwd,
                  comm_emb_f=comm_emb_f, comm_head_f=comm_head_f, comm_head_b=comm_head_b, dp_bw=dp_bw, dp_lat=dp_lat,
-                 expert_dp_bw=expert_dp_bw, expert_dp_lat=expert_dp_lat, alltoall_fwd=alltoall_fwd,
-                 alltoall_bwd=alltoall_bwd, p_layer=p_layer, p_expert=p_expert,
-                 gather_weights_s=block_gather(wb, z3), scatter_grads_s=block_gather(gb, dp),
-                 zero3_scatter_s=block_gather(REDUCE_BYTES, z3), emb_f=emb_f, emb_b=emb_b,
+                 cp_bw=cp_bw, expert_dp_bw=expert_dp_bw, expert_dp_lat=expert_dp_lat, alltoall_fwd=alltoall_fwd,
+                 alltoall_bwd=alltoall_bwd, p_layer=p_layer, p_expert=p_expert, gather_weights_s=block_gather(wb, z3),
+                 zero3_scatter_s=block_gather(GRAD_REDUCE_BYTES, z3), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
                          for rc in ("none", "selective", "full")},
@@ -408,6 +414,17 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                                                       capacity_gib=dev.memory_gib, ep=ep, etp=etp),
                                          context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
                                                                         dtype_bytes=act)))
+
+
+def _topology_fractions(hw: StageHardware, layout: ParallelLayout, emulate: bool) -> tuple[float, float, float]:
+    """(tp, cp, dp) multipliers of the stage's collective bandwidth from its device type's node topology (1.0
+    emulated: every rank is a local process)."""
+    dev = hw.device
+    if emulate or dev.topology is None:
+        return 1.0, 1.0, 1.0
+    placements = [hw.placement] if hw.placement is not None else slices(hw.num_devices, hw.node_count)
+    return stage_fractions(dev.topology, layout, placements, host_gb_per_s=dev.host_link_gb_per_s,
+                           device_gb_per_s=dev.intra_node_gb_per_s)
 
 
 def context_parallel_working_bytes(model: ModelSpec, *, tokens: float, tp: int, cp: int, dtype_bytes: int) -> float:
@@ -433,34 +450,30 @@ def _tier_bandwidth(dev: DeviceModel, hw: StageHardware, tier: str) -> tuple[flo
     return dev.host_link_gb_per_s, dev.host_link_gb_per_s
 
 
-def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float,
+def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: float, dp_lat: float, cp_bw: float,
           wb: int, gb: int, ob: int) -> tuple[float, float, float, float]:
     """The step's tail as (constant seconds, seconds per parameter held by a device) of the dp gradient
     reduction, then the same of the optimizer step (which, as the runtime's does, includes ZeRO's all-gather
     of the updated parameters)."""
     dp = layout.dp
+    rb = GRAD_REDUCE_BYTES
     dp_const = dp_per_param = opt_const = opt_per_param = 0.0
     if layout.cp > 1 and layout.zero < 3:  # each cp rank's gradients are its tokens': summed over cp first
         # (ZeRO-3's reduce-scatter sums over cp x dp at once, during the backward)
-        cp_gb_per_s, cp_latency_s = dev.tp_link()
-        dp_per_param += 2 * (layout.cp - 1) / layout.cp * gb / (cp_gb_per_s * 1e9)
+        cp_latency_s = dev.tp_link()[1]
+        dp_per_param += 2 * (layout.cp - 1) / layout.cp * rb / (cp_bw * 1e9)
         dp_const += 2 * (layout.cp - 1) * cp_latency_s
     if dp > 1:
         ring = (dp - 1) / dp / (dp_bw * 1e9)
         if layout.zero == 0:  # all-reduce of the gradients
-            dp_per_param += 2 * ring * gb
+            dp_per_param += 2 * ring * rb
             dp_const += 2 * (dp - 1) * dp_lat
-        elif layout.zero == 1:  # reduce-scatter of the gradients, all-gather of the parameters
-            dp_per_param += ring * gb
+        elif layout.zero in (1, 2):  # reduce-scatter of the gradients after the flush (on the host when the
+            # optimizer is offloaded), all-gather of the updated parameters
+            dp_per_param += ring * rb
             dp_const += (dp - 1) * dp_lat
             opt_per_param += ring * wb
             opt_const += (dp - 1) * dp_lat
-        elif layout.zero == 2:  # the reduce-scatter is overlapped with the backward
-            opt_per_param += ring * wb
-            opt_const += (dp - 1) * dp_lat
-            if layout.offload.optimizer != "device":  # ZeRO-Offload: of the host gradients, after the backward
-                dp_per_param += ring * gb
-                dp_const += (dp - 1) * dp_lat
     shard = 1.0 / (layout.replicas if layout.zero >= 3 else dp) if layout.zero >= 1 else 1.0
     off = layout.offload
     if off.optimizer == "device":

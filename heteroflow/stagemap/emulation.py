@@ -6,8 +6,11 @@ alone. With the profile's `cpu_thread`: one thread's GEMM and attention rates an
 the rank's threads, divided by `in_block_slowdown` (how much slower the measured real block ran than those
 rates predict), plus the measured per-block overhead. Without it: the measured or catalog whole-machine
 rates, split evenly between the cores. The ranks then share the cores: the pipeline is timed by
-`pipeline.simulate_shared` (processor sharing), not by the closed form. With a profile each rank gets
-1/num_ranks of the host memory; every link is the measured local link.
+`pipeline.simulate_shared` (processor sharing, slowed by the profile's measured oversubscription), not by the
+closed form. With a profile each rank gets 1/num_ranks of the host memory; every link is the measured local
+link, and each collective's ring step and each stage boundary transfer waits what the profile's `emulation`
+section measured while both sides compute with as many processes per core as the plan has ranks (gloo's
+all-reduce between busy processes), not the idle link's latency.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from heteroflow.stagemap.calibration import Calibration, apply_factors
 from heteroflow.stagemap.compute import layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware, apply_measurements, device_model, threads_per_process
 from heteroflow.stagemap.memory import dtype_bytes
-from heteroflow.stagemap.profile import REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile
+from heteroflow.stagemap.profile import REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile, per_core_value
 
 
 def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, *,
@@ -51,9 +54,11 @@ def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: flo
                 models.setdefault(name, {})[p] = replace(local[p], name=name, vendor=spec.vendor)
     models = {name: _calibrated(found, name, calibration) for name, found in models.items()}
     link = local.get("fp32") or emulated_device("fp32", profile=profile, num_ranks=num_ranks, cores=cores)
+    measured = profile.emulation if profile is not None else None
     return Hardware(models=models, inter_node_gb_per_s=link.intra_node_gb_per_s,
                     inter_latency_s=link.intra_latency_s, emulate=True, cores=max(1, cores),
-                    threads_per_rank=threads)
+                    threads_per_rank=threads,
+                    oversubscribed_slowdown=measured.oversubscribed_slowdown if measured is not None else ())
 
 
 def _calibrated(models: dict[str, DeviceModel], name: str,
@@ -77,6 +82,11 @@ def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, 
         base = apply_measurements(replace(base, measured=measured), measured, profile)
     if profile is not None and profile.host.memory_gib:
         memory_gib = profile.host.memory_gib / ranks  # the ranks share the host's memory
+    busy = profile.emulation if profile is not None else None
+    if busy is not None and busy.busy_latency_s:  # blocking transfers wait as a training step meets them
+        gb_per_s, _ = base.collective_link()
+        latency = per_core_value(busy.busy_latency_s, ranks / cores)
+        base = replace(base, collective_gb_per_s=gb_per_s, collective_latency_s=latency, intra_latency_s=latency)
     thread = profile.cpu_thread if profile is not None else None
     if thread is not None and thread.gemm_tflops.get(precision) and thread.elementwise_gb_per_s > 0:
         gemm = thread.gemm_tflops[precision]

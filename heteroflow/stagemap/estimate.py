@@ -153,8 +153,10 @@ def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tupl
     if device is None:
         raise UserError(f"device type {stage.device_type!r} cannot train in {precision}")
     nodes = frozenset(r.node for r in stage.device_refs)
+    ordinal = {n: k for k, n in enumerate(dict.fromkeys(r.node for r in stage.device_refs))}
     return StageHardware(device=device, num_devices=stage.num_devices, num_nodes=len(nodes),
-                         node_count=max(job.cluster.node(n).count for n in nodes)), nodes
+                         node_count=max(job.cluster.node(n).count for n in nodes),
+                         placement=tuple((ordinal[r.node], r.index) for r in stage.device_refs)), nodes
 
 
 def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = None,
@@ -175,7 +177,7 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
     costs = [stage_costs(job.model, hw, s.layout, plan.micro_batch_size, hardware) for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
     estimate = assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
-                        threads_per_rank=hardware.threads_per_rank)
+                        threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown)
     return replace(estimate, calibration=calibration.note(emulate=emulate) if calibration is not None else None)
 
 
@@ -193,9 +195,11 @@ def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageH
 
 
 def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: list[StageCosts],
-             recv: list[float], *, emulate: bool = False, cores: int = 1, threads_per_rank: int = 1) -> PlanEstimate:
+             recv: list[float], *, emulate: bool = False, cores: int = 1, threads_per_rank: int = 1,
+             oversubscribed: tuple[tuple[float, float], ...] = ()) -> PlanEstimate:
     """Combine per-stage costs into pipeline, step and memory figures. Emulated, the stages' threads
-    (`threads_per_rank` per device) share `cores` cores."""
+    (`threads_per_rank` per device) share `cores` cores, slowed by the host's measured `oversubscribed`
+    slowdown (`pipeline.sharing_speed`)."""
     p, m = len(plan.stages), plan.num_micro_batches(job.train)
     stages, problems, parts, recv_fwd, recv_bwd = [], [], [], [], []
     for k, ((first_layer, last_layer), stage, hw, c) in enumerate(zip(plan.layer_ranges(), plan.stages, hws, costs)):
@@ -220,7 +224,7 @@ def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: li
     # The step time is the breakdown's: each stage's predicted parts sum to it.
     threads = [hw.num_devices * threads_per_rank for hw in hws]
     breakdown = step_breakdown(parts, recv_fwd, recv_bwd, m, plan.schedule,
-                               shared=(threads, cores) if emulate else None)
+                               shared=(threads, cores, oversubscribed) if emulate else None)
     pipe, step = breakdown.pipeline_s, breakdown.step_s
     stages = [replace(est, times=times) for est, times in zip(stages, breakdown.stages)]
     if emulate:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from heteroflow.config.device import DeviceSpec
+from heteroflow.config.topology import NodeTopology
 from heteroflow.stagemap.profile import DeviceProfile, Profile, curve_rate
 
 EFF_MAX = {"nvidia": 0.80, "amd": 0.70, "hygon": 0.60, "ascend": 0.70, "cpu": 1.0}
@@ -86,6 +87,8 @@ class DeviceModel:
     """Calibration: multiplier of the tensor-parallel collectives' bandwidth."""
     dp_comm_efficiency: float = 1.0
     """Calibration: multiplier of the data-parallel reduction's bandwidth."""
+    topology: NodeTopology | None = None
+    """How a node's devices are linked (`stagemap.topology` prices groups on it); None: all alike."""
 
     def gemm_tflops(self, dim: float) -> float:
         """Effective TFLOP/s of a GEMM whose smallest dimension is `dim`."""
@@ -147,6 +150,9 @@ class Hardware:
     """Emulation: the host's cores, which the ranks' threads share."""
     threads_per_rank: int = 1
     """Emulation: threads of each rank (`threads_per_process`)."""
+    oversubscribed_slowdown: tuple[tuple[float, float], ...] = ()
+    """Emulation: the host's measured (threads per core, slowdown) beyond processor sharing (a profile's
+    `emulation` section; empty: none)."""
 
     def device(self, device_type: str, precision: str) -> DeviceModel | None:
         """The model of `device_type` computing in `precision`; None when it cannot train in it."""
@@ -178,7 +184,7 @@ def device_model(spec: DeviceSpec, precision: str, profile: Profile | None = Non
                         hbm_gb_per_s=spec.hbm_gb_per_s, intra_node_gb_per_s=spec.intra_node_gb_per_s,
                         host_link_gb_per_s=spec.host_link_gb_per_s, eff_max=EFF_MAX[spec.vendor],
                         launch_overhead_s=LAUNCH_OVERHEAD_S[spec.vendor],
-                        eff_half_dim=EFF_HALF_DIM[spec.vendor], precision=precision)
+                        eff_half_dim=EFF_HALF_DIM[spec.vendor], precision=precision, topology=spec.topology)
     if measured is not None:
         model = apply_measurements(model, measured, profile)
     return model

@@ -47,7 +47,7 @@ from heteroflow.config.model import ModelSpec
 from heteroflow.layout import ParallelLayout, in_flight
 from heteroflow.layout.shards import (active_ffn_width, embedding_params_per_rank, expert_params_per_rank,
                                       head_params_per_rank, kv_heads_per_rank, layer_params_per_rank)
-from heteroflow.layout.state import optimizer_shards, state_bytes
+from heteroflow.layout.state import GRAD_REDUCE_BYTES, optimizer_shards, state_bytes
 
 GIB = float(1 << 30)
 RESERVE_GIB = 1.0
@@ -62,7 +62,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ZERO3_SHARD_BYTES = (4, 4, 8)
 """ZeRO-3 (`models.zero3`), bytes per parameter split over cp x dp (`ParallelLayout.replicas`): the fp32 parameter
 shard (which is the master weight), its fp32 gradient shard and the fp32 Adam moments."""
-REDUCE_BYTES = 4
+REDUCE_BYTES = GRAD_REDUCE_BYTES
 """Gradients are reduce-scattered in fp32 under ZeRO-3, whatever the stage computes in."""
 
 

@@ -21,7 +21,9 @@ Closed form (derived from the schedule's dependency graph; it equals the simulat
 Shared cores (emulation: every rank a local process): `simulate_shared` runs the same schedule when the
 stages' threads share a few cores. F and B are then each operation's time with its threads to itself; while
 n threads are busy in all, each runs at min(1, cores / n) of its speed (processor sharing, what the OS
-scheduler approximates). Ranks waiting for a neighbour use no core. With enough cores it equals `simulate`.
+scheduler approximates), and slower still by the host's measured slowdown at n / cores threads per core when
+there are more threads than cores (`sharing_speed`). Ranks waiting for a neighbour use no core. With enough
+cores it equals `simulate`.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from heteroflow.layout.schedule import BACKWARD, FORWARD, in_flight, stage_actions, warmup_forwards
+from heteroflow.stagemap.profile import per_core_value
 
 __all__ = ["Event", "SharedRun", "in_flight", "pipeline_time", "run_shared", "shared_ends", "shared_makespan",
-           "simulate", "simulate_shared"]
+           "sharing_speed", "simulate", "simulate_shared"]
 
 
 def pipeline_time(F: list[float], B: list[float], m: int, schedule: str) -> float:
@@ -123,12 +126,23 @@ def simulate(compute_f: list[float], compute_b: list[float], recv: list[float], 
     return max(free), events
 
 
+def sharing_speed(busy_threads: int, cores: int, oversubscribed: tuple[tuple[float, float], ...] = ()) -> float:
+    """The speed of each of `busy_threads` threads sharing `cores` cores: min(1, cores / threads), divided by
+    the host's measured slowdown at that many threads per core (`EmulationProfile.oversubscribed_slowdown`:
+    linear from (1, 1.0) through the measured points, the last one beyond them)."""
+    per_core = busy_threads / cores
+    speed = min(1.0, 1.0 / per_core)
+    if per_core <= 1.0 or not oversubscribed:
+        return speed
+    return speed / per_core_value(((1.0, 1.0), *oversubscribed), per_core)
+
+
 def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads: list[int],
-                    cores: int) -> float:
+                    cores: int, oversubscribed: tuple[tuple[float, float], ...] = ()) -> float:
     """Makespan of one step's forward and backward passes when stage k keeps `threads[k]` threads busy while
-    it computes and all stages share `cores` cores (see the module docstring). F and B include the
-    receiver-paid transfer, as in `pipeline_time`."""
-    return run_shared(F, B, m, schedule, threads=threads, cores=cores).makespan_s
+    it computes and all stages share `cores` cores (see the module docstring), at `sharing_speed`. F and B
+    include the receiver-paid transfer, as in `pipeline_time`."""
+    return run_shared(F, B, m, schedule, threads=threads, cores=cores, oversubscribed=oversubscribed).makespan_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +156,7 @@ class SharedRun:
 
 
 def run_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads: list[int],
-               cores: int) -> SharedRun:
+               cores: int, oversubscribed: tuple[tuple[float, float], ...] = ()) -> SharedRun:
     """`simulate_shared`, also reporting how long each stage's operations ran in wall time."""
     p = len(F)
     orders = [stage_actions(schedule, p, k, m) for k in range(p)]
@@ -166,7 +180,7 @@ def run_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads
         running = [k for k in range(p) if left[k] is not None]
         if not running:
             break
-        speed = min(1.0, cores / sum(threads[k] for k in running))
+        speed = sharing_speed(sum(threads[k] for k in running), cores, oversubscribed)
         step = min(left[k] for k in running)
         now += step / speed
         for k in running:
@@ -182,20 +196,22 @@ def run_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads
     return SharedRun(makespan_s=now, forward_wall_s=tuple(wall[FORWARD]), backward_wall_s=tuple(wall[BACKWARD]))
 
 
-def shared_makespan(durations: list[float], *, threads: list[int], cores: int) -> float:
+def shared_makespan(durations: list[float], *, threads: list[int], cores: int,
+                    oversubscribed: tuple[tuple[float, float], ...] = ()) -> float:
     """When independent jobs that start together end, job k taking `durations[k]` with its `threads[k]`
-    threads to itself and all of them sharing `cores` cores (processor sharing)."""
-    return max(shared_ends(durations, threads=threads, cores=cores), default=0.0)
+    threads to itself and all of them sharing `cores` cores (processor sharing, at `sharing_speed`)."""
+    return max(shared_ends(durations, threads=threads, cores=cores, oversubscribed=oversubscribed), default=0.0)
 
 
-def shared_ends(durations: list[float], *, threads: list[int], cores: int) -> list[float]:
+def shared_ends(durations: list[float], *, threads: list[int], cores: int,
+                oversubscribed: tuple[tuple[float, float], ...] = ()) -> list[float]:
     """When each of the jobs of `shared_makespan` ends."""
     left = [d for d in durations]
     ends = [0.0] * len(durations)
     running = [k for k, d in enumerate(left) if d > 0]
     now = 0.0
     while running:
-        speed = min(1.0, cores / sum(threads[k] for k in running))
+        speed = sharing_speed(sum(threads[k] for k in running), cores, oversubscribed)
         step = min(left[k] for k in running)
         now += step / speed
         for k in running:

@@ -37,6 +37,9 @@ profile:
   link: {backend: gloo, gb_per_s: 1.4, latency_s: 4.0e-05,    # two local processes, point to point
          allreduce_gb_per_s: 1.7, allreduce_latency_s: 6.5e-05}   # and all-reduce (version 2)
   disk: {path: /tmp, read_gb_per_s: 1.9, write_gb_per_s: 1.1, direct_io: true}
+  emulation:                           # what `train --emulate` pays on this host beyond the rates (version 3)
+    busy_latency_s: [[1, 1.0e-03]]     # [processes per core, seconds per ring step] (measured at one a core)
+    oversubscribed_slowdown: [[2, 1.1], [4, 1.2]]   # [processes per core, CPU time per unit of work / alone]
 ```
 """
 
@@ -53,7 +56,7 @@ from heteroflow.config import limits
 from heteroflow.config.device import PRECISIONS, VENDORS
 from heteroflow.config.reader import Problems, Section
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """2 added `cpu_thread` and the link's all-reduce figures; version 1 files (without them) are still read:
 emulation then shares the measured whole-machine figures between the ranks, and collectives use the
 point-to-point link figures."""
@@ -151,6 +154,22 @@ class LinkProfile:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class EmulationProfile:
+    """What local CPU processes (`train --emulate`) pay on this host beyond the rates the other sections
+    measure, measured as a training step meets it (`measure.emulation`)."""
+
+    busy_latency_s: tuple[tuple[float, float], ...] = ()
+    """(processes per core, seconds): per ring step of an all-reduce between two one-thread processes that compute
+    between all-reduces (as tp ranks do) while the host runs that many processes per core: the partner is late
+    or waits for a core. It replaces the idle link's latency for emulated transfers (`per_core_value`)."""
+    oversubscribed_slowdown: tuple[tuple[float, float], ...] = ()
+    """(processes per core, slowdown): how much more CPU time a fixed amount of one-thread work takes in each of
+    that many processes per core than alone (context switches, caches shared), ascending
+    (`pipeline.sharing_speed` reads it)."""
+
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DiskProfile:
     """Sequential read/write of large blocks, with O_DIRECT when `direct_io`."""
 
@@ -169,6 +188,7 @@ class Profile:
     link: LinkProfile | None = None
     disk: DiskProfile | None = None
     cpu_thread: ThreadProfile | None = None
+    emulation: EmulationProfile | None = None
     version: int = PROFILE_VERSION
 
     def device(self, device_type: str) -> DeviceProfile | None:
@@ -198,6 +218,10 @@ class Profile:
         if self.disk is not None:
             out["disk"] = {"path": self.disk.path, "read_gb_per_s": _r(self.disk.read_gb_per_s),
                            "write_gb_per_s": _r(self.disk.write_gb_per_s), "direct_io": self.disk.direct_io}
+        if self.emulation is not None:
+            e = self.emulation
+            out["emulation"] = {"busy_latency_s": [[_r(r), _r(v)] for r, v in e.busy_latency_s],
+                                "oversubscribed_slowdown": [[_r(r), _r(v)] for r, v in e.oversubscribed_slowdown]}
         if self.cpu_thread is not None:
             t = self.cpu_thread
             out["cpu_thread"] = {
@@ -300,11 +324,45 @@ def parse_profile(sec: Section, problems: Problems) -> Profile | None:
             block_backward_overhead_s=ts.number("block_backward_overhead_s", 0.0, limit=_SECONDS) or 0.0,
             **_reference_block(ts, problems))
         ts.finish()
+    emulation = _emulation(sec)
     sec.finish()
     if not sec.valid:
         return None
     return Profile(host=host, devices=tuple(devices), link=link, disk=disk, cpu_thread=cpu_thread,
-                   version=version or PROFILE_VERSION)
+                   emulation=emulation, version=version or PROFILE_VERSION)
+
+
+def _emulation(sec: Section) -> EmulationProfile | None:
+    """The `emulation` section (absent: None)."""
+    es = sec.mapping("emulation", None)
+    if es is None:
+        return None
+    out = EmulationProfile(busy_latency_s=_per_core_points(es, "busy_latency_s", minimum=1.0),
+                           oversubscribed_slowdown=_per_core_points(es, "oversubscribed_slowdown", minimum=1.0 + 1e-9))
+    es.finish()
+    return out
+
+
+def _per_core_points(sec: Section, key: str, *, minimum: float) -> tuple[tuple[float, float], ...]:
+    """`[[processes per core, value], ...]` (processes per core at least `minimum`), sorted; () when absent."""
+    points = sec.sequence(key, []) or []
+    if not all(isinstance(p, list) and len(p) == 2 and all(_positive_finite(v) for v in p) and p[0] >= minimum
+               for p in points):
+        sec.problems.add(sec.at(key), f"expected a list of [processes per core (at least {minimum:.0f}), value] "
+                                      "pairs of finite positive numbers")
+        return ()
+    return tuple(sorted((float(r), float(v)) for r, v in points))
+
+
+def per_core_value(points: tuple[tuple[float, float], ...], processes_per_core: float) -> float:
+    """A per-core curve of the `emulation` section at `processes_per_core`: linear between its points, its
+    first value below them, its last beyond them."""
+    if processes_per_core <= points[0][0]:
+        return points[0][1]
+    for (r0, v0), (r1, v1) in zip(points, points[1:]):
+        if processes_per_core <= r1:
+            return v0 + (v1 - v0) * (processes_per_core - r0) / (r1 - r0)
+    return points[-1][1]
 
 
 def _reference_block(sec: Section, problems: Problems) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from heteroflow.calibrate import Run, fit_calibration, load_runs
+from heteroflow.calibrate.fit import COMMON_SHARE
 from heteroflow.config import parse_job
 from heteroflow.config.catalog import CATALOG
 from heteroflow.config.plan import parse_plan
@@ -99,12 +100,16 @@ def test_all_factors_fit_and_the_overhead_is_not_pinned_down(job):
     assert fit.calibration.factors[A100].gemm == pytest.approx(0.6, rel=0.1)
 
 
-def test_a_factor_without_sensitivity_is_named_and_left_at_one(job):
+def test_a_factor_without_sensitivity_is_named_and_follows_the_pinned_ones_by_the_prior(job):
     runs = [synthetic_run(job, "tp1-dp16")]  # tp = 1: no tensor-parallel collective at all
     fit = fit_calibration(runs, factors=("gemm", "tp_comm"))
     assert fit.calibration.not_pinned_down == (f"{A100}.tp_comm",)
     assert fit.sensitivity[fit.params.index(f"{A100}.tp_comm")] == 0.0
-    assert fit.calibration.factors[A100].tp_comm == 1.0
+    factors = fit.calibration.factors[A100]
+    assert factors.gemm < 0.7  # the run shows a slow stack
+    # The hierarchical prior: the unseen factor's log follows the seen one's by their prior correlation.
+    share = COMMON_SHARE / (1 + COMMON_SHARE)
+    assert math.log(factors.tp_comm) == pytest.approx(share * math.log(factors.gemm), rel=0.01)
     assert fit.calibration.runs[0]["ratio_after"] == pytest.approx(1.0, abs=0.01)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from heteroflow.config import PRESETS
 from heteroflow.config.catalog import CATALOG
-from heteroflow.layout import ParallelLayout
+from heteroflow.layout import GRAD_REDUCE_BYTES, ParallelLayout
 from heteroflow.layout.shards import kv_heads_per_rank
 from heteroflow.stagemap.comm import all_gather_s, all_reduce_s
 from heteroflow.stagemap.compute import layer_forward
@@ -56,7 +56,7 @@ def test_cp_gradients_are_all_reduced_in_the_tail():
                        ParallelLayout(), 2, HARDWARE)
     cp2 = stage_costs(MODEL, HW, ParallelLayout(cp=2), 2, HARDWARE)
     link, latency = A100.tp_link()
-    grad_bytes = 2  # bf16 gradients
+    grad_bytes = GRAD_REDUCE_BYTES  # the fp32 gradient buffer, as the runtime sums it over cp
     assert cp2.tail_per_param_s - base.tail_per_param_s == pytest.approx(all_reduce_s(grad_bytes, 2, link, 0.0))
     assert cp2.tail_const_s - base.tail_const_s == pytest.approx(2 * latency)
     assert one.tail_per_param_s > base.tail_per_param_s  # dp 2 reduces too, on its own link

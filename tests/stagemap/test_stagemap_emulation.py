@@ -18,8 +18,8 @@ from heteroflow.stagemap.costs import (DEVICE_ADAM_BYTES_PER_PARAM, FLAT_BUFFER_
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.emulation import emulated_device, in_block_slowdown
 from heteroflow.stagemap.hardware import Hardware, threads_per_process
-from heteroflow.stagemap.profile import (DeviceProfile, HostProfile, LinkProfile, Profile, ThreadProfile,
-                                         curve_rate)
+from heteroflow.stagemap.profile import (PROFILE_VERSION, DeviceProfile, HostProfile, LinkProfile, Profile,
+                                         ThreadProfile, curve_rate)
 
 TINY = PRESETS["tiny-llama"]
 REFERENCE = {"hidden_size": 192, "ffn_hidden_size": 512, "num_attention_heads": 6, "num_kv_heads": 2,
@@ -60,7 +60,7 @@ def test_a_profile_with_cpu_thread_and_all_reduce_figures_round_trips(tmp_path):
     assert loaded.cpu_thread.attention_tflops == thread.attention_tflops
     assert loaded.cpu_thread.reference_block_s == {"fp32": (0.004, 0.009)}
     assert loaded.cpu_thread.reference_block_shape == REFERENCE
-    assert loaded.link == link and loaded.version == 2
+    assert loaded.link == link and loaded.version == PROFILE_VERSION and loaded.emulation is None
 
 
 def test_version_1_profiles_still_read_and_newer_ones_are_refused(tmp_path):
@@ -72,8 +72,8 @@ def test_version_1_profiles_still_read_and_newer_ones_are_refused(tmp_path):
     loaded = load_profile(old)
     assert loaded.version == 1 and loaded.cpu_thread is None and loaded.link.allreduce_gb_per_s == 0.0
     assert emulated_device("fp32", profile=loaded, num_ranks=2, cores=2).block_overhead_s is None  # old pricing
-    newer = tmp_path / "v3.yaml"
-    newer.write_text(old.read_text().replace("version: 1", "version: 3"))
+    newer = tmp_path / "newer.yaml"
+    newer.write_text(old.read_text().replace("version: 1", f"version: {PROFILE_VERSION + 1}"))
     with pytest.raises(ConfigError, match="newer than this heteroflow"):
         load_profile(newer)
 

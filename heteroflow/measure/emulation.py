@@ -1,0 +1,139 @@
+"""What `train --emulate` pays on this host beyond the measured rates: the `emulation` section of a profile.
+
+Measured as a training step meets it:
+- `busy_latency_s`: two one-thread processes over gloo that each compute a block's worth of GEMMs between
+  all-reduces of one element, as the tp ranks of a stage do (the median wall time, per ring step): an
+  all-reduce then also waits for the partner to arrive and to get a core. Measured at one process per core:
+  with more, filled by processes that compute without pause, the wait grows far beyond what training ranks
+  (which block on their neighbours much of the time) meet; more ranks than cores are priced by processor
+  sharing and the slowdown below. The bandwidth stays the idle link's (`link.allreduce_gb_per_s`): the wait is
+  per transfer, not per byte;
+- `oversubscribed_slowdown`: the CPU time of a fixed amount of one-thread forward and backward work done by 2
+  (and 4, unless quick) processes per core at once, over the same work's CPU time alone: context switches and
+  caches shared between more processes than cores (CPU time, so other jobs' load on a shared machine, which
+  only delays the work, does not count; processor sharing prices the delay).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from heteroflow.errors import UserError
+from heteroflow.stagemap.profile import EmulationProfile
+
+_WORK_SHAPE = (384, 192, 512)
+"""Tokens, hidden and ffn width of the work unit: a small MLP forward and backward (tiny-llama's scale)."""
+
+
+def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0) -> EmulationProfile:
+    """The `emulation` figures of this host (see the module docstring)."""
+    cores = os.cpu_count() or 1
+    per_core = (1, 2) if quick else (1, 2, 4)  # processes per core of the CPU-time phases (1: alone)
+    results = _run_children(max(per_core) * cores, _child, (per_core, cores, 8 if quick else 30, 10 if quick else 40),
+                            timeout_s)
+    (latency,), alone = results[0][0], results[0][1][0]
+    slowdown = tuple((float(k), max(1.0, statistics.median(r[1][i] for r in results[:k * cores]) / alone))
+                     for i, k in enumerate(per_core) if k > 1)
+    return EmulationProfile(busy_latency_s=((1.0, latency / 2),), oversubscribed_slowdown=slowdown)
+
+
+def _run_children(n: int, target, args: tuple, timeout_s: float) -> list:
+    """Start `n` spawned processes running `target(rank, n, port, queue, barrier, stop, *args)`; their results in
+    rank order (a user error when one fails or the whole takes longer than `timeout_s`)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue, barrier, stop = ctx.Queue(), ctx.Barrier(n), ctx.Event()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(rank, n, port, queue, barrier, stop, *args), daemon=True)
+             for rank in range(n)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < n:
+            rank, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            if isinstance(value, str):
+                raise UserError(f"emulation measurement failed: {value}")
+            results[rank] = value
+    except UserError:
+        raise
+    except Exception:
+        raise UserError(f"emulation measurement timed out after {timeout_s:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(n)]
+
+
+def _work(torch, shapes) -> None:
+    """One unit of one-thread work: a small MLP's forward and backward."""
+    x, w1, w2 = shapes
+    torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1)), w2).sum().backward()
+
+
+def _work_tensors(torch):
+    tokens, hidden, ffn = _WORK_SHAPE
+    return (torch.randn(tokens, hidden), torch.randn(ffn, hidden, requires_grad=True),
+            torch.randn(hidden, ffn, requires_grad=True))
+
+
+def _child(rank: int, n: int, port: int, queue, barrier, stop, per_core: tuple[int, ...], cores: int, rounds: int,
+           calls: int) -> None:
+    """Ranks 0 and 1 time all-reduces between bursts of work while ranks 2 .. cores - 1 compute until they are
+    done; rank 0 times `calls` work units alone in CPU time, then, for each k of `per_core` above 1, ranks
+    0 .. k x cores - 1 do at once. Ranks outside a phase wait on the barrier, using no core. Reports
+    (latencies, CPU seconds)."""
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+        pair = dist.new_group([0, 1])
+        shapes = _work_tensors(torch)
+        one = torch.zeros(1)
+        _work(torch, shapes)
+
+        def busy_all_reduce() -> float:
+            times = []
+            for _ in range(rounds):
+                for _ in range(2):
+                    _work(torch, shapes)
+                start = time.perf_counter()
+                dist.all_reduce(one, group=pair)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        def cpu_seconds() -> float:
+            start = time.thread_time()
+            for _ in range(calls):
+                _work(torch, shapes)
+            return time.thread_time() - start
+
+        barrier.wait()
+        seconds = [cpu_seconds() if rank == 0 else 0.0]
+        latencies = []
+        barrier.wait()
+        if rank < 2:
+            latencies.append(busy_all_reduce())
+            if rank == 0:
+                stop.set()
+        elif rank < cores:
+            while not stop.is_set():
+                _work(torch, shapes)
+        barrier.wait()
+        for k in per_core[1:]:
+            seconds.append(cpu_seconds() if rank < k * cores else 0.0)
+            barrier.wait()
+        dist.destroy_process_group()
+        queue.put((rank, (tuple(latencies), tuple(seconds))))
+    except Exception as exc:  # the parent reports it
+        queue.put((rank, f"{type(exc).__name__}: {exc}"))
