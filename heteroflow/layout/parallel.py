@@ -160,11 +160,6 @@ class ParallelLayout:
             ways = self.tp * (2 * self.cp if self.cp > 1 else 1)
             problems.append(LayoutProblem("sp", f"seq_length {model.seq_length} is not divisible by "
                                           f"tp * {'2 * cp' if self.cp > 1 else 'cp'} = {ways}"))
-        # Routing sees this rank's sequence chunk under sp (its aux statistics pooled over the stage); cp with MoE
-        # is not run yet.
-        if model.moe is not None and self.cp > 1:
-            problems.append(LayoutProblem("cp", "context parallelism is not implemented for mixture-of-experts models "
-                                          "yet; set cp: 1"))
         problems += self._expert_problems(model)
         if micro_batch_size is not None and micro_batch_size % self.dp:
             problems.append(LayoutProblem("dp", f"dp {self.dp} does not divide micro_batch_size {micro_batch_size}; "

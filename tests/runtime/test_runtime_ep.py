@@ -91,19 +91,50 @@ def test_three_vendor_ep_plan_matches_transformers_and_one_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_etp_equal_tp_under_sp_with_dp_matches_one_device(tmp_path):
-    """tp 2 x dp 2 with ep 2 (experts split over tp, ep across dp), sequence parallel: routing on each rank's
-    sequence chunk, aux statistics pooled over the stage; plus a dense-first-layer model with a gated shared
-    expert so the shared expert's sp region runs too."""
+@pytest.mark.parametrize("stage", [
+    # experts split over tp, ep across dp, sequence parallel: routing on each rank's sequence chunk
+    {"devices": ["gpu-0"], "layers": 3, "tp": 2, "dp": 2, "ep": 2, "sp": True, "zero": 1},
+    # context parallel: routing on each cp rank's two chunks, ep across cp, whole experts under tp 1
+    {"devices": ["gpu-0"], "layers": 3, "cp": 2, "dp": 2, "ep": 4},
+    # cp with tp and no expert layout of its own: experts reduced with the rest (cp sum, then dp)
+    {"devices": ["gpu-0"], "layers": 3, "cp": 2, "tp": 2},
+])
+def test_sequence_split_stages_with_ep_match_one_device(tmp_path, stage):
+    """sp or cp with ep: the aux statistics are pooled over the ranks holding parts of a micro-batch, so losses,
+    aux records and weights are the one device's. A dense first layer and a gated shared expert (its sp region
+    on token rows) are in the model too."""
     moe = {**MOE, "shared_expert_ffn_hidden_size": 48, "shared_expert_gate": True, "first_dense_layers": 1,
            "num_experts": 4}
-    plan = {"schedule": "1f1b", "micro_batch_size": 4, "stages": [
-        {"devices": ["gpu-0"], "layers": 3, "tp": 2, "dp": 2, "ep": 2, "sp": True, "zero": 1},
-        {"devices": ["npu-0:0-0"], "layers": 1}]}
+    plan = {"schedule": "1f1b", "micro_batch_size": 4, "stages": [stage, {"devices": ["npu-0:0-0"], "layers": 1}]}
     job = parse_job({"cluster": CLUSTER, "model": {**MODEL, "moe": moe}, "plan": plan, "train": TRAIN})
     one = parse_job({"cluster": CLUSTER, "model": {**MODEL, "moe": moe}, "plan": ONE_DEVICE, "train": TRAIN})
-    losses, weights, records = train(job, job.plan, tmp_path, "sp")
+    losses, weights, records = train(job, job.plan, tmp_path, "split")
     want_losses, want_weights, want_records = train(one, one.plan, tmp_path, "one")
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in want_records], rel=1e-5)
+    assert_weights_close(weights, want_weights)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,then", [
+    # ep 2 over dp 4 (expert-dp 2, ZeRO-1 over it) -> one device, ep 1
+    ([{"devices": ["gpu-0"], "layers": 2, "dp": 4, "ep": 2, "zero": 1}, {"devices": ["npu-0:0-0"], "layers": 2}],
+     [{"devices": ["dcu-0"], "layers": 4}]),
+    # ep 4 -> ep 2 with whole experts under tp 2 (etp 1)
+    ([{"devices": ["gpu-0"], "layers": 4, "dp": 4, "ep": 4}],
+     [{"devices": ["npu-0"], "layers": 4, "tp": 2, "ep": 2, "etp": 1}]),
+])
+def test_checkpoint_under_one_ep_resumes_under_another(tmp_path, first, then):
+    """Experts are saved under their global names in the layout-free format: the run goes on under another ep as if
+    it had not stopped."""
+    ckpt = {"dir": str(tmp_path / "ckpt"), "interval": 2, "keep": 1}
+    job = parse_job({"cluster": CLUSTER, "model": MODEL, "train": {**TRAIN, "checkpoint": ckpt},
+                     "plan": {"schedule": "1f1b", "micro_batch_size": 4, "stages": first}})
+    later = parse_job({"cluster": CLUSTER, "model": MODEL, "train": {**TRAIN, "checkpoint": ckpt},
+                       "plan": {"schedule": "1f1b", "micro_batch_size": 4, "stages": then}})
+    want_losses, want_weights = train_reference(job, steps=STEPS, data_dir=str(tmp_path / "data"))
+    losses, _, _ = train(job, job.plan, tmp_path, "first", steps=2)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000002"]
+    resumed, weights, _ = train(later, later.plan, tmp_path, "then", resume=True)
+    assert losses + resumed == pytest.approx(want_losses, rel=1e-5)
     assert_weights_close(weights, want_weights)
