@@ -1,12 +1,10 @@
 """The mixture-of-experts FFN: a router (top-k over scores) and routed experts, kept apart.
 
-Model code only, like `llama.py`: `parallelize.py` splits each expert over tp as it splits the dense MLP.
-Routing (`Router`) is separate from expert compute (`Experts`), and `Experts` is a `ModuleDict` keyed by
-the *global* expert index, so parameter names (`mlp.experts.{j}.w1.weight`) do not depend on which experts
-a rank holds: expert parallelism can give a rank a subset of the keys and move tokens between the two.
-
-Expert placement and token movement are not here either: `Experts` computes the experts it holds, and a
-`dispatcher` (set by the parallelization, `moe_dispatch.py`) may carry tokens to the ranks holding the others.
+Model code only, like `llama.py`: `parallelize.py` splits each expert over etp as it splits the dense MLP and
+keeps an ep rank's experts only. Routing (`Router`) is separate from expert compute (`Experts`), and `Experts` is
+a `ModuleDict` keyed by the *global* expert index, so parameter names (`mlp.experts.{j}.w1.weight`) do not depend
+on which experts a rank holds. Token movement is not here either: `Experts` computes the experts it holds, and a
+`dispatcher` (set by the parallelization, `moe_dispatch.py`) carries tokens to the ranks holding the others.
 
 Dropless by default: every expert takes every token routed to it. With a capacity factor an expert takes
 at most ceil(factor * tokens * top_k / num_experts) of them, in token order, and drops the rest (their
