@@ -84,6 +84,8 @@ def test_three_vendor_ep_plan_matches_transformers_and_one_device(tmp_path):
                                       rel=1e-5)
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in want_records], rel=1e-5)
+    # each expert slice counted once in the clipping norm
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in want_records], rel=1e-5)
     assert_weights_close(weights, want_weights)
     ref_losses, _ = train_reference(one, steps=STEPS, data_dir=str(tmp_path / "data"),
                                     init_from=str(tmp_path / "mixtral"))
@@ -112,6 +114,8 @@ def test_sequence_split_stages_with_ep_match_one_device(tmp_path, stage):
     want_losses, want_weights, want_records = train(one, one.plan, tmp_path, "one")
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert [r["aux_loss"] for r in records] == pytest.approx([r["aux_loss"] for r in want_records], rel=1e-5)
+    # each expert slice counted once in the clipping norm
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in want_records], rel=1e-5)
     assert_weights_close(weights, want_weights)
 
 
