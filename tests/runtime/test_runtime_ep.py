@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from conftest import save_tiny_mixtral
 from heteroflow.config import parse_job
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs
@@ -27,21 +28,6 @@ THREE_VENDORS = {"schedule": "1f1b", "micro_batch_size": 4, "stages": [
     {"devices": ["npu-0"], "layers": 2, "tp": 2, "dp": 1, "ep": 2, "etp": 1, "recompute": "full"},
     {"devices": ["dcu-0"], "layers": 1, "tp": 1, "dp": 1}]}
 ONE_DEVICE = {"schedule": "1f1b", "micro_batch_size": 4, "stages": [{"devices": ["dcu-0"], "layers": 4}]}
-
-
-def save_mixtral(path) -> "torch.nn.Module":
-    """A random tiny Mixtral (8 experts, top 2) saved by transformers as safetensors; returns it (fp32, eval)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(11)
-    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
-    hf = transformers.MixtralForCausalLM(config)
-    with torch.no_grad():  # transformers' routers start near uniform; random ones route unevenly
-        for layer in hf.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    hf.save_pretrained(path, safe_serialization=True)
-    return hf.float().eval()
 
 
 def assert_weights_close(weights: dict, want: dict) -> None:
@@ -67,7 +53,7 @@ def train(job, plan, tmp_path, name: str, **kwargs):
 
 @pytest.mark.slow
 def test_three_vendor_ep_plan_matches_transformers_and_one_device(tmp_path):
-    hf = save_mixtral(tmp_path / "mixtral")
+    hf = save_tiny_mixtral(tmp_path / "mixtral", num_experts=8)
     job = parse_job({"cluster": CLUSTER, "model": MODEL, "plan": THREE_VENDORS,
                      "train": {**TRAIN, "init_from": str(tmp_path / "mixtral")}})
     one = parse_job({"cluster": CLUSTER, "model": MODEL, "plan": ONE_DEVICE,
