@@ -32,3 +32,21 @@ def write_yaml(tmp_path):
         return path
 
     return write
+
+
+def save_tiny_mixtral(path: Path, *, num_experts: int):
+    """A random tiny Mixtral (hidden 64, 4 layers, experts of 96, top 2) saved by transformers as safetensors, its
+    routers drawn sharp (transformers' start near uniform); returns the model (fp32, eval)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(11)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        num_local_experts=num_experts, num_experts_per_tok=2, tie_word_embeddings=False)
+    hf = transformers.MixtralForCausalLM(config)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf.float().eval()

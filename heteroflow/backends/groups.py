@@ -3,8 +3,9 @@
 torch requires every rank to call `new_group` for every group, members or not, in the same order.
 `build_process_groups` walks the plan the same way on all ranks: per stage (pipeline order) its
 stage-wide group, tp groups, cp groups, dp groups, its cp x dp replica groups when cp > 1 (with cp 1
-they are the dp groups) and any fan-out group that is not already one of those; then per boundary one
-group spanning both stages. The world (default group) is gloo: no single vendor backend reaches every
+they are the dp groups), any fan-out group that is not already one of those, and for an expert layout
+(`ep`, `etp`) its ep, etp and expert-dp groups (`RankMap.ep_groups` ...) where they are new; then per boundary
+one group spanning both stages. The world (default group) is gloo: no single vendor backend reaches every
 device of a mixed cluster.
 
 Backends: a stage's groups use its vendor's backend (nccl for CUDA and ROCm, hccl for Ascend, gloo for
@@ -60,6 +61,13 @@ class ProcessGroups:
     """This rank's cp x dp group: every rank of the stage holding the same weights (its dp group when cp is 1)."""
     fanout: dist.ProcessGroup | None
     """This rank's activation replica set (its tp group unless sp); None when it has no replicas."""
+    ep: dist.ProcessGroup | None
+    """This rank's expert-parallel group (tokens go to their experts by all-to-all in it); None when ep is 1."""
+    etp: dist.ProcessGroup | None
+    """This rank's expert tensor-parallel group (the tp group when etp = tp); None when etp is 1."""
+    expert_dp: dist.ProcessGroup
+    """The ranks holding the same expert slices (expert gradients are summed over it; the replicas when the stage
+    sets no expert layout)."""
     prev: BoundaryLink | None
     """Link from the previous stage (None on the first stage)."""
     next: BoundaryLink | None
@@ -74,7 +82,8 @@ class ProcessGroups:
 
     def member_groups(self) -> list[dist.ProcessGroup]:
         """Every group `build_process_groups` created that this rank belongs to (not the world), once each."""
-        candidates = [self.stage, self.tp, self.cp, self.dp, self.replicas, self.fanout,
+        candidates = [self.stage, self.tp, self.cp, self.dp, self.replicas, self.fanout, self.ep, self.etp,
+                      self.expert_dp,
                       *(link.group for link in (self.prev, self.next) if link is not None)]
         unique: dict[int, dist.ProcessGroup] = {}
         for group in candidates:
@@ -141,11 +150,15 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
                 groups_by_ranks[ranks] = new_group(f"stage{s.index}.replicas", ranks, backend)
             if rank in ranks:
                 mine["replicas"] = groups_by_ranks[ranks]
-        for ranks in rank_map.fanout_groups(s.index):
-            if ranks not in groups_by_ranks:  # the tp group in practice; reuse rather than duplicate
-                groups_by_ranks[ranks] = new_group(f"stage{s.index}.fanout", ranks, backend)
-            if rank in ranks:
-                mine["fanout"] = groups_by_ranks[ranks]
+        for name, sets in (("fanout", rank_map.fanout_groups(s.index)), ("ep", rank_map.ep_groups(s.index)),
+                           ("etp", rank_map.etp_groups(s.index)), ("expert_dp", rank_map.expert_dp_groups(s.index))):
+            for ranks in sets:
+                if len(ranks) == 1 and name != "expert_dp":
+                    continue  # no fan-out, ep or etp to do
+                if ranks not in groups_by_ranks:  # often an existing group (tp, dp, replicas): reuse it
+                    groups_by_ranks[ranks] = new_group(f"stage{s.index}.{name}", ranks, backend)
+                if rank in ranks:
+                    mine[name] = groups_by_ranks[ranks]
 
     links: dict[int, BoundaryLink] = {}
     for k in range(rank_map.num_stages - 1):
@@ -167,7 +180,8 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
     return ProcessGroups(rank=rank, rank_map=rank_map, emulate=emulate,
                          backend="gloo" if emulate else rank_map.stages[me.stage].backend,
                          world=dist.group.WORLD, stage=mine["stage"], tp=mine["tp"], cp=mine["cp"], dp=mine["dp"],
-                         replicas=mine["replicas"], fanout=mine.get("fanout"), prev=links.get(me.stage - 1),
+                         replicas=mine["replicas"], fanout=mine.get("fanout"), ep=mine.get("ep"), etp=mine.get("etp"),
+                         expert_dp=mine["expert_dp"], prev=links.get(me.stage - 1),
                          next=links.get(me.stage), created=tuple(created))
 
 

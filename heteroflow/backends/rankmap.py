@@ -4,6 +4,10 @@ Rank order is fixed by the plan (config/plan.py): stages in pipeline order; insi
 devices in list order, tp innermost, then cp, then dp. So inside stage k, with `first` its first
 rank, `rank = first + (dp * cp_size + cp) * tp_size + tp`, and the rank runs on
 `stage.device_refs[rank - first]`. Pure Python: the launcher and tests use it without processes.
+
+The expert layout of a MoE stage folds the same ranks again, as Megatron-core's expert `RankGenerator`
+does (order tp-ep-dp): etp innermost, then ep, then expert-dp, so
+`rank = first + (expert_dp * ep_size + ep) * etp_size + etp`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,19 @@ class RankInfo:
     """Device index on `node` (what `torch.cuda.set_device` takes)."""
     device_type: str
     vendor: str
+    ep: int = 0
+    """Index in the stage's expert-parallel group (which share of the experts this rank holds)."""
+    etp: int = 0
+    """Index in the stage's expert tensor-parallel group (which slice of each of those experts)."""
+    expert_dp: int = 0
+    """Index among the stage's ranks holding the same expert slices (the expert-dp group)."""
+
+
+def expert_coordinates(local: int, layout: ParallelLayout) -> tuple[int, int, int]:
+    """`(expert_dp, ep, etp)` of the stage's `local`-th rank: etp innermost, then ep, then expert-dp."""
+    rest, etp = divmod(local, layout.expert_tp)
+    expert_dp, ep = divmod(rest, layout.ep)
+    return expert_dp, ep, etp
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +74,15 @@ class StageInfo:
                 raise IndexError(f"stage {self.index}: {name} index {value} out of range 0..{size - 1}")
         return self.ranks[(dp * lay.cp + cp) * lay.tp + tp]
 
+    def expert_rank(self, *, expert_dp: int = 0, ep: int = 0, etp: int = 0) -> int:
+        """Global rank at these expert-layout indices."""
+        lay = self.layout
+        for name, value, size in (("expert_dp", expert_dp, lay.expert_dp), ("ep", ep, lay.ep),
+                                  ("etp", etp, lay.expert_tp)):
+            if not 0 <= value < size:
+                raise IndexError(f"stage {self.index}: {name} index {value} out of range 0..{size - 1}")
+        return self.ranks[(expert_dp * lay.ep + ep) * lay.expert_tp + etp]
+
 
 class RankMap:
     """Every rank of a plan: `info(rank)` answers where it is, `rank_of(...)`/`rank_at(...)` go back."""
@@ -80,8 +106,10 @@ class RankMap:
             for local, ref in enumerate(stage.device_refs):
                 dp, rest = divmod(local, stage.layout.cp * stage.layout.tp)
                 cp, tp = divmod(rest, stage.layout.tp)
+                expert_dp, ep, etp = expert_coordinates(local, stage.layout)
                 infos.append(RankInfo(rank=first + local, stage=k, dp=dp, cp=cp, tp=tp, node=ref.node,
-                                      local_device=ref.index, device_type=stage.device_type, vendor=vendor))
+                                      local_device=ref.index, device_type=stage.device_type, vendor=vendor,
+                                      ep=ep, etp=etp, expert_dp=expert_dp))
             first += n
         return cls(stages, infos)
 
@@ -138,6 +166,25 @@ class RankMap:
         return [tuple(sorted(s.rank(dp=d, cp=c, tp=t) for d in range(lay.dp) for c in range(lay.cp)))
                 for t in range(lay.tp)]
 
+    def ep_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """Ranks of each expert-parallel group of `stage` (fixed expert-dp, etp): tokens travel between them."""
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return [tuple(s.expert_rank(expert_dp=d, ep=e, etp=t) for e in range(lay.ep))
+                for d in range(lay.expert_dp) for t in range(lay.expert_tp)]
+
+    def etp_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """Ranks of each expert tensor-parallel group of `stage` (fixed expert-dp, ep): one expert's slices."""
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return [tuple(s.expert_rank(expert_dp=d, ep=e, etp=t) for t in range(lay.expert_tp))
+                for d in range(lay.expert_dp) for e in range(lay.ep)]
+
+    def expert_dp_groups(self, stage: int) -> list[tuple[int, ...]]:
+        """Ranks of each expert-dp group of `stage` (fixed ep, etp): the ranks holding the same expert slices,
+        whose expert gradients are summed (and ZeRO-sharded) over it."""
+        s, lay = self.stages[stage], self.stages[stage].layout
+        return [tuple(s.expert_rank(expert_dp=d, ep=e, etp=t) for d in range(lay.expert_dp))
+                for e in range(lay.ep) for t in range(lay.expert_tp)]
+
     def activation_layout(self, stage: int, shape: Sequence[int]) -> TensorLayout:
         """How `stage` holds a `[batch, seq, hidden]` activation of one micro-batch."""
         s, lay = self.stages[stage], self.stages[stage].layout
@@ -160,7 +207,8 @@ class RankMap:
         for s in self.stages:
             lines.append(f"stage {s.index}: ranks {s.ranks[0]}-{s.ranks[-1]} {s.device_type} ({s.vendor}, "
                          f"{s.backend}) tp={s.layout.tp} cp={s.layout.cp} dp={s.layout.dp}"
-                         f"{' sp' if s.layout.sp else ''}")
+                         f"{' sp' if s.layout.sp else ''}"
+                         f"{f' ep={s.layout.ep} etp={s.layout.expert_tp}' if s.layout.ep > 1 or s.layout.etp else ''}")
             if s.index + 1 < len(self.stages):
                 lines.append(f"  boundary {s.index}->{s.index + 1}: {self.boundary_kind(s.index)}")
         return "\n".join(lines)

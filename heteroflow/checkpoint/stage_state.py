@@ -10,7 +10,10 @@ What each rank writes (so every value is stored exactly once):
     (`flat_range_boxes`) and written as such, in the parameter's logical coordinates. No gathering:
     each rank writes exactly what it holds, and the pieces of all dp ranks tile the tensor;
   * the head copy of an embedding tied across stages is not written: it equals `embed.weight`
-    (same values, same gradients, same optimizer state), and is read back from it.
+    (same values, same gradients, same optimizer state), and is read back from it;
+  * routed experts with a layout of their own (`ParamShard.expert`) by the same rules in expert coordinates: etp
+    instead of tp, expert-dp instead of dp. Their names carry the global expert index, so a checkpoint does not
+    depend on ep either.
 
 Loading reads, for each local shard or ZeRO range of the new layout, exactly its boxes from whatever
 pieces cover them.
@@ -46,15 +49,30 @@ def shard_box(shard: ParamShard) -> tuple[tuple[int, int], ...]:
     return tuple(box)
 
 
-def _stored_params(model: nn.Module, tp_rank: int) -> Iterator[tuple[str, nn.Parameter, ParamShard]]:
-    """`(name, param, shard)` of the parameters whose values this tp rank stores."""
+def _stored_params(model: nn.Module, ranks: "_Ranks") -> Iterator[tuple[str, nn.Parameter, ParamShard, int]]:
+    """`(name, param, shard, dp_rank)` of the parameters whose values this rank's tp (or etp) index stores, with
+    the rank's index among the parameter's replicas (dp, or expert-dp for an expert)."""
     tied = getattr(model, "spec", None) is not None and model.spec.tie_embeddings
     for name, param in model.named_parameters():
         shard = shard_of(param)
+        tp_rank, dp_rank = ranks.of(shard)
+        if dp_rank is None:
+            continue
         # the head copy of a tied embedding is stored as embed.weight by the first stage
         head_copy = tied and canonical_name(name, tie_embeddings=True) != name
         if counted_once(split_over_tp=shard.dim is not None, tp_rank=tp_rank, tied_head_copy=head_copy):
-            yield name, param, shard
+            yield name, param, shard, dp_rank
+
+
+class _Ranks:
+    """A rank's indices in the dense layout and in the expert layout; `of(shard)` picks those of a parameter
+    (dp None: this rank writes none of the dense parameters, e.g. a cp rank other than 0)."""
+
+    def __init__(self, tp_rank: int, dp_rank: int | None, expert_ranks: tuple[int, int]):
+        self.dense, self.expert = (tp_rank, dp_rank), expert_ranks
+
+    def of(self, shard: ParamShard) -> tuple[int, int | None]:
+        return self.expert if shard.expert else self.dense
 
 
 def _zero_boxes(shard: ParamShard, start: int, stop: int) -> list[tuple[int, int, tuple]]:
@@ -63,23 +81,30 @@ def _zero_boxes(shard: ParamShard, start: int, stop: int) -> list[tuple[int, int
             for a, b, box in flat_range_boxes(shard.local_shape, start, stop)]
 
 
-def stage_pieces(model: nn.Module, optimizer: StageOptimizer | None, *, tp_rank: int, dp_rank: int) -> list[Piece]:
-    """The pieces this rank writes: its share of the parameters and of the optimizer state."""
+def stage_pieces(model: nn.Module, optimizer: StageOptimizer | None, *, tp_rank: int, dp_rank: int,
+                 writes_dense: bool = True, expert_ranks: tuple[int, int] = (0, 0)) -> list[Piece]:
+    """The pieces this rank writes: its share of the parameters and of the optimizer state. `writes_dense`: False
+    on a rank whose non-expert values another rank writes (a cp rank other than 0); `expert_ranks`: its
+    `(etp, expert_dp)` indices, for the experts marked `ParamShard.expert`."""
     pieces = []
-    stored = {id(param): (name, shard) for name, param, shard in _stored_params(model, tp_rank)}
+    stored = {id(param): (name, shard, replica)
+              for name, param, shard, replica in _stored_params(model, _Ranks(tp_rank, dp_rank if writes_dense
+                                                                               else None, expert_ranks))}
     # ZeRO-3 keeps no whole copy of a parameter: each rank writes its range, from the master it also is (below).
     params_sharded = optimizer is not None and optimizer.zero >= 3
-    if dp_rank == 0 and not params_sharded:
+    if not params_sharded:
         values = dict(optimizer.named_weights() if optimizer is not None else model.named_parameters())
-        for name, param, shard in _stored_params(model, tp_rank):
-            pieces.append(Piece("param", name, shard.full_shape, shard_box(shard), values[name].detach()))
-    if optimizer is None or not counted_once(split_over_tp=True, tp_rank=tp_rank, dp_rank=dp_rank,
-                                             split_over_dp=bool(optimizer.zero)):
-        return pieces  # without ZeRO every dp rank keeps the same state: dp rank 0 writes it
+        for name, shard, replica in stored.values():
+            if replica == 0:
+                pieces.append(Piece("param", name, shard.full_shape, shard_box(shard), values[name].detach()))
+    if optimizer is None:
+        return pieces
     for param, start, stop, views in optimizer.state_views(writable=False):
         if id(param) not in stored:
             continue
-        name, shard = stored[id(param)]
+        name, shard, replica = stored[id(param)]
+        if not optimizer.zero and replica != 0:
+            continue  # without ZeRO every replica keeps the same state: replica 0 writes it
         for a, b, box in _zero_boxes(shard, start, stop):
             for kind in OPTIMIZER_KINDS:
                 pieces.append(Piece(kind, name, shard.full_shape, box, views[kind][a:b].view(box_shape(box))))

@@ -124,11 +124,6 @@ def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = 
 def check_runnable(plan: PlanSpec) -> None:
     """Refuse what the planner prices but the runtime does not run yet."""
     check_offload_plan(plan)
-    for k, stage in enumerate(plan.stages):
-        lay = stage.layout
-        if lay.ep != 1 or lay.expert_tp != lay.tp:
-            raise UserError(f"plan.stages[{k}]: expert parallelism (ep {lay.ep}, etp {lay.expert_tp}) is not run yet; "
-                            f"set ep: 1 and leave etp out on this stage")
 
 
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:

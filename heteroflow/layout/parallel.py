@@ -120,6 +120,12 @@ class ParallelLayout:
         return self.num_devices // (self.expert_tp * self.ep)
 
     @property
+    def separate_experts(self) -> bool:
+        """Whether routed experts are laid out apart from the rest (ep > 1 or etp != tp): their gradients are then
+        summed (and ZeRO-sharded) over expert-dp instead of cp and dp."""
+        return self.ep > 1 or self.expert_tp != self.tp
+
+    @property
     def num_devices(self) -> int:
         """Devices (ranks) the layout spans."""
         return self.tp * self.cp * self.dp
@@ -168,12 +174,6 @@ class ParallelLayout:
             ways = self.tp * (2 * self.cp if self.cp > 1 else 1)
             problems.append(LayoutProblem("sp", f"seq_length {model.seq_length} is not divisible by "
                                           f"tp * {'2 * cp' if self.cp > 1 else 'cp'} = {ways}"))
-        # Routing and its aux loss would see a sequence chunk per rank (expert parallelism will revisit this).
-        if model.moe is not None and (self.sp or self.cp > 1):
-            key = "sp" if self.sp else "cp"
-            problems.append(LayoutProblem(key, f"{'sequence' if self.sp else 'context'} parallelism is not implemented "
-                                          f"for mixture-of-experts models yet; set {key}: "
-                                          f"{'false' if self.sp else '1'}"))
         problems += self._expert_problems(model)
         if micro_batch_size is not None and micro_batch_size % self.dp:
             problems.append(LayoutProblem("dp", f"dp {self.dp} does not divide micro_batch_size {micro_batch_size}; "
@@ -209,6 +209,14 @@ class ParallelLayout:
             problems.append(LayoutProblem("ep", f"etp * ep = {self.expert_tp} * {self.ep} does not divide the stage's "
                                           f"tp * cp * dp = {self.num_devices} ranks; the expert layout folds over "
                                           "the same ranks"))
+        if self.expert_tp not in (1, self.tp):
+            problems.append(LayoutProblem("etp", f"etp {self.expert_tp} is neither 1 nor tp {self.tp}; the runtime "
+                                          "splits experts over the whole tp group or not at all"))
+        if self.separate_experts and (self.zero == 3 or self.offload.optimizer != "device"
+                                      or self.offload.params != "device"):
+            problems.append(LayoutProblem("ep", "experts with a layout of their own (ep > 1 or etp != tp) run with "
+                                          "ZeRO 0-2 and without optimizer or parameter offload; set ep: 1 and leave "
+                                          "etp out, or change zero / offload"))
         if moe.ffn_hidden_size % self.expert_tp:
             problems.append(LayoutProblem("etp" if self.etp is not None else "tp", f"expert tensor parallelism "
                                           f"{self.expert_tp} does not divide model.moe.ffn_hidden_size "

@@ -108,6 +108,14 @@ def head_params_per_rank(model: ModelShape, tp: int, *, single_stage: bool) -> f
     return head + model.hidden_size
 
 
+def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+    """Global indices of the experts ep rank `ep_rank` holds: a contiguous 1/ep of them, as Megatron-core
+    places them (the runtime keeps them under these indices, so checkpoints do not depend on ep)."""
+    per_rank = num_experts // ep
+    assert per_rank * ep == num_experts and 0 <= ep_rank < ep, (num_experts, ep, ep_rank)
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
 def counted_once(*, split_over_tp: bool, tp_rank: int, dp_rank: int = 0, split_over_dp: bool = False,
                  tied_head_copy: bool = False) -> bool:
     """Whether this rank's copy of a value is the one that counts (in the global gradient norm, in a

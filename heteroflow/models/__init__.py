@@ -4,11 +4,13 @@ How the runtime runs one stage on one rank (groups come from backends/, created 
 
     with torch.device("meta"):
         model = build_stage_model(spec, first_layer=a, last_layer=b, is_first=k == 0, is_last=k == last)
-    parallelize_stage(model, layout=stage_spec.layout, tp_group=tp_group)     # tp / sp / recompute
+    parallelize_stage(model, layout=stage_spec.layout, tp_group=tp_group,     # tp / sp / cp / ep / recompute
+                      cp_group=cp_group, ep_group=ep_group, token_group=...)
     materialize(model, device)                                          # keeps shards and ties
     if train.init_from: load_hf_weights(model, job.resolve_path(train.init_from), job_spec=job.model)
     else:               init_weights(model, seed=train.seed)
     opt = DataParallelAdamW(model, dp_group=dp_group, tp_group=tp_group, zero=stage_spec.layout.zero, ...)
+    # (ExpertDataParallelAdamW when experts have a layout of their own: experts over expert-dp, the rest over dp)
 
     per micro-batch (input layout: see parallelize.py; dp rank d holds its contiguous batch share):
       first stage: out = model(token_ids)          else: x.requires_grad_(); out = model(x)

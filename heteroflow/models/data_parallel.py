@@ -104,17 +104,18 @@ class DataParallelAdamW:
     """AdamW over one stage's parameters in Megatron's state layout, gradients summed over `dp_group`
     (a `heteroflow.optim.StageOptimizer`); see the module docstring.
 
-    zero=0: every dp rank keeps all masters and moments; zero=1 (or 2): each keeps 1/dp of them.
+    zero=0: every dp rank keeps all masters and moments; zero=1 (or 2): each keeps 1/dp of them. `only`: the
+    parameters it takes (all by default; `ExpertDataParallelAdamW` gives experts and the rest each their own).
     Build it after the weights are initialized or loaded and cast to the stage's compute dtype: the
     parameters move into the flat buffer and the masters start from their values.
     """
 
     def __init__(self, model: nn.Module, *, dp_group: ProcessGroup | None, tp_group: ProcessGroup | None = None,
                  zero: int = 0, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1):
+                 weight_decay: float = 0.1, only: Callable[[nn.Parameter], bool] | None = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"DataParallelAdamW implements ZeRO 0, 1 and 2, not {zero}")
-        self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
+        self.model, self.dp_group, self.tp_group, self.only = model, dp_group, tp_group, only
         self.zero, self.betas, self.eps, self.weight_decay = zero, betas, eps, weight_decay
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
@@ -124,7 +125,7 @@ class DataParallelAdamW:
         self.segments: list[_Segment] = []
         offset = 0
         for name, param in model.named_parameters():
-            if not param.requires_grad:
+            if not param.requires_grad or (only is not None and not only(param)):
                 continue
             counted = counted_once(split_over_tp=shard_of(param).dim is not None, tp_rank=tp_rank,
                                    dp_rank=self.dp_rank, split_over_dp=bool(zero), tied_head_copy=name in head_copy)
@@ -197,7 +198,7 @@ class DataParallelAdamW:
         for s in self.segments:  # a gradient autograd left on a parameter outside the hooks counts too
             if s.param.grad is not None:
                 self._accumulate(s.param)
-        all_reduce_partial_grads(self.model, self.tp_group, grad_of=self.grad_of)
+        all_reduce_partial_grads(self.model, self.tp_group, grad_of=lambda p: self._grads.get(id(p)))
         if self.dp > 1 and self.zero:
             shard = torch.empty(self.hi - self.lo, dtype=torch.float32, device=self.main_grad.device)
             _REDUCE_SCATTER(shard, self.main_grad, group=self.dp_group)
@@ -268,4 +269,5 @@ class DataParallelAdamW:
     def load_weights(self, values: dict[str, torch.Tensor]) -> None:
         """For checkpoints: set every parameter to `values[name]` (shaped like the local shard)."""
         for name, param in self.model.named_parameters():
-            param.copy_(values[name])
+            if self.only is None or self.only(param):
+                param.copy_(values[name])

@@ -1,9 +1,10 @@
 """The mixture-of-experts FFN: a router (top-k over scores) and routed experts, kept apart.
 
-Model code only, like `llama.py`: `parallelize.py` splits each expert over tp as it splits the dense MLP.
-Routing (`Router`) is separate from expert compute (`Experts`), and `Experts` is a `ModuleDict` keyed by
-the *global* expert index, so parameter names (`mlp.experts.{j}.w1.weight`) do not depend on which experts
-a rank holds: expert parallelism can give a rank a subset of the keys and move tokens between the two.
+Model code only, like `llama.py`: `parallelize.py` splits each expert over etp as it splits the dense MLP and
+keeps an ep rank's experts only. Routing (`Router`) is separate from expert compute (`Experts`), and `Experts` is
+a `ModuleDict` keyed by the *global* expert index, so parameter names (`mlp.experts.{j}.w1.weight`) do not depend
+on which experts a rank holds. Token movement is not here either: `Experts` computes the experts it holds, and a
+`dispatcher` (set by the parallelization, `moe_dispatch.py`) carries tokens to the ranks holding the others.
 
 Dropless by default: every expert takes every token routed to it. With a capacity factor an expert takes
 at most ceil(factor * tokens * top_k / num_experts) of them, in token order, and drops the rest (their
@@ -11,7 +12,10 @@ share of the output is zero; the residual carries them).
 
 The load-balancing loss is the Switch Transformer's in Hugging Face's form, per MoE layer:
 num_experts * sum_e(f_e * P_e), f_e the fraction of (token, slot) assignments to expert e (summing to
-top_k) and P_e the mean routing probability of e. It does not enter the returned hidden states: an
+top_k) and P_e the mean routing probability of e, both over the micro-batch. When a micro-batch's tokens are
+spread over ranks (dp, cp, sp), `Router.pool` (set by the parallelization) sums the assignment counts and token
+counts over them, so each rank's value is its part of the micro-batch's loss: the parts add up to the value
+one device computes, and each part's gradient is exact. It does not enter the returned hidden states: an
 autograd function adds its gradient, coeff times its weight in the step (`set_aux_loss_scale`), in the
 backward pass, as Megatron-core's MoEAuxLossAutoScaler does, so the pipeline's backward needs nothing extra
 and the reported `loss` stays the language-model cross entropy. Its value is recorded in backward (which
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,23 +36,51 @@ from heteroflow.config.moe import MoESpec
 from heteroflow.models.ffn import FeedForward
 
 
+Pool = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the ranks holding the parts of one micro-batch (no gradient)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """Where each of T tokens goes: `indices_TK` experts with `weights_TK` (fp32), and the layer's
-    load-balancing loss over these tokens."""
+    """Where each of T tokens goes: `indices_TK` experts with `weights_TK` (fp32), and this rank's part of the
+    layer's load-balancing loss over the micro-batch's `num_tokens` tokens."""
 
     weights_TK: torch.Tensor
     indices_TK: torch.Tensor
     aux_loss: torch.Tensor
+    num_tokens: int
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
+def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor,
+                        pool: Pool | None = None) -> tuple[torch.Tensor, int]:
     """num_experts * sum_e(fraction of assignments to e * mean probability of e) (Hugging Face's
-    `load_balancing_loss_func` for one layer)."""
+    `load_balancing_loss_func` for one layer), and the tokens it is over. With `pool`, the fractions and the
+    token count are the micro-batch's, and the value is this rank's part: its probabilities' share of the sum."""
     num_tokens, num_experts = probs_TE.shape
-    assignments = torch.zeros(num_experts, dtype=torch.float32, device=probs_TE.device)
-    assignments.index_add_(0, indices_TK.flatten(), torch.ones(indices_TK.numel(), device=probs_TE.device))
-    return num_experts * torch.sum(assignments / num_tokens * probs_TE.float().mean(0))
+    stats = torch.zeros(num_experts + 1, dtype=torch.float32, device=probs_TE.device)
+    stats.index_add_(0, indices_TK.flatten(), torch.ones(indices_TK.numel(), device=probs_TE.device))
+    stats[-1] = num_tokens
+    if pool is not None:
+        stats = pool(stats)
+    total = int(stats[-1].item())
+    return num_experts * torch.sum(stats[:-1] / total * probs_TE.float().sum(0) / total), total
+
+
+def sort_by_expert(indices_TK: torch.Tensor, num_experts: int,
+                   capacity: int | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, slot) assignments an expert takes, grouped by expert (ascending) and in token order inside a
+    group: `(token, slot, counts)`, counts[e] of them for expert e; with `capacity`, each group's first ones."""
+    # One stable sort groups the assignments by expert, each group in token order (its earliest tokens first).
+    order = torch.argsort(indices_TK.flatten(), stable=True)
+    counts = torch.bincount(indices_TK.flatten(), minlength=num_experts).tolist()
+    if capacity is not None:
+        starts = [0]
+        for count in counts:
+            starts.append(starts[-1] + count)
+        order = torch.cat([order[start:start + min(count, capacity)] for start, count in zip(starts, counts)])
+        counts = [min(count, capacity) for count in counts]
+    top_k = indices_TK.shape[1]
+    return order // top_k, order % top_k, counts
 
 
 class Router(nn.Module):
@@ -59,6 +92,8 @@ class Router(nn.Module):
         self.top_k = moe.top_k
         self.sigmoid = moe.score_function == "sigmoid"
         self.normalize = moe.normalize_top_k or self.sigmoid  # sigmoid scores do not sum to one
+        self.pool: Pool | None = None
+        """Sums the load-balancing statistics over the micro-batch's ranks (None: this rank holds it all)."""
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
         logits = F.linear(x_TH, self.weight).float()
@@ -67,17 +102,27 @@ class Router(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
-        return Routing(weights, indices, load_balancing_loss(probs, indices))
+        aux_loss, num_tokens = load_balancing_loss(probs, indices, self.pool)
+        return Routing(weights, indices, aux_loss, num_tokens)
+
+
+class Dispatcher(Protocol):
+    """Carries the tokens to the ranks holding their experts and the results back (`moe_dispatch.py`)."""
+
+    def __call__(self, experts: "Experts", x_TH: torch.Tensor, weights_TK: torch.Tensor,
+                 indices_TK: torch.Tensor) -> torch.Tensor: ...
 
 
 class Experts(nn.ModuleDict):
     """Routed SwiGLU experts keyed by global expert index; forward sums each token's weighted outputs
-    over the experts held here."""
+    over its experts (those held here, or anywhere through `dispatcher`)."""
 
     def __init__(self, hidden_size: int, moe: MoESpec, expert_ids: range | None = None):
         ids = range(moe.num_experts) if expert_ids is None else expert_ids
         super().__init__({str(j): FeedForward(hidden_size, moe.ffn_hidden_size) for j in ids})
         self.num_experts, self.top_k, self.capacity_factor = moe.num_experts, moe.top_k, moe.capacity_factor
+        self.dispatcher: Dispatcher | None = None
+        """Set when some experts live on other ranks; None: every expert is here."""
 
     def capacity(self, num_tokens: int) -> int | None:
         """Most tokens one expert takes from `num_tokens` (None: dropless)."""
@@ -85,26 +130,29 @@ class Experts(nn.ModuleDict):
             return None
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
+    def held(self) -> list[int]:
+        """Global indices of the experts held here, ascending."""
+        return sorted(int(key) for key in self.keys())
+
+    def run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each held expert (ascending) on its block of `rows`, `counts[i]` rows for the i-th."""
+        blocks = rows.split(counts)
+        # An expert without tokens still runs (on none), so its parameters get a zero gradient, not None.
+        outputs = [self[str(j)](block) for j, block in zip(self.held(), blocks)]
+        return torch.cat(outputs) if outputs else rows
+
     def forward(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x_TH)
-        capacity = self.capacity(x_TH.shape[0])
-        # One stable sort groups the (token, slot) assignments by expert, each group in token order (so the
-        # first `capacity` of a group are its earliest tokens).
-        order = torch.argsort(indices_TK.flatten(), stable=True)
-        counts = torch.bincount(indices_TK.flatten(), minlength=self.num_experts).tolist()
-        starts = [0]
-        for count in counts:
-            starts.append(starts[-1] + count)
-        top_k = indices_TK.shape[1]
-        for key, expert in self.items():
-            j = int(key)
-            stop = starts[j + 1] if capacity is None else min(starts[j + 1], starts[j] + capacity)
-            assignment = order[starts[j]:stop]
-            token, slot = assignment // top_k, assignment % top_k
-            # An expert without tokens still runs (on none), so its parameters get a zero gradient, not None.
-            y = expert(x_TH[token]) * weights_TK[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x_TH, weights_TK, indices_TK)
+        token, slot, counts = sort_by_expert(indices_TK, self.num_experts, self.capacity(x_TH.shape[0]))
+        assert self.held() == list(range(self.num_experts)), "experts held elsewhere need a dispatcher"
+        y = self.run(x_TH[token], counts) * weights_TK[token, slot, None]
+        return combine(x_TH, token, y)
+
+
+def combine(x_TH: torch.Tensor, token: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each token's sum of its weighted expert outputs `y` (row i belongs to `token[i]`), shaped like `x_TH`."""
+    return torch.zeros_like(x_TH).index_add_(0, token, y.to(x_TH.dtype))
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -151,7 +199,7 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared
             y_TH = y_TH + shared
         if torch.is_grad_enabled():
-            share = 1.0 if self.aux_tokens is None else x_TH.shape[0] / self.aux_tokens
+            share = 1.0 if self.aux_tokens is None else routing.num_tokens / self.aux_tokens
             y_TH = _AuxLossGrad.apply(y_TH, routing.aux_loss, self.aux_loss_coeff * share * self.aux_grad_scale,
                                       share, self.aux_losses)
         return y_TH.view(x_BSH.shape)

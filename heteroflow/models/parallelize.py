@@ -47,6 +47,7 @@ layout above, never a DTensor that the other stage's mesh would not know.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch.distributed as dist
 from torch import nn
@@ -54,19 +55,24 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
 from heteroflow.layout import RECOMPUTE, ModelShape, ParallelLayout
-from heteroflow.layout.shards import heads_per_rank, kv_heads_per_rank, replicates_kv_heads
+from heteroflow.layout.shards import heads_per_rank, kv_heads_per_rank, local_experts, replicates_kv_heads
 from heteroflow.models.context_parallel import apply_context_parallel
 from heteroflow.models.ffn import FeedForward
 from heteroflow.models.llama import Attention, AttentionCore, Block, StageModel
 from heteroflow.models.moe import MoE
+from heteroflow.models.moe_dispatch import AllToAllDispatcher, gather_rows, row_share, split_rows
 from heteroflow.models.shard import ParamShard, even_split, set_shard, shard_of
-from heteroflow.models.tp_ops import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from heteroflow.models.tp_ops import (all_gather_dim, all_reduce_sum, copy_to_tp, gather_seq, reduce_from_tp,
+                                      reduce_scatter_seq)
 from heteroflow.models.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 
 def parallelize_stage(model: StageModel, *, layout: ParallelLayout, tp_group: ProcessGroup | None = None,
-                      cp_group: ProcessGroup | None = None) -> StageModel:
-    """Shard `model` over `tp_group`, split its sequence over `cp_group` per `layout` and set up recompute;
-    returns the same module.
+                      cp_group: ProcessGroup | None = None, ep_group: ProcessGroup | None = None,
+                      token_group: ProcessGroup | None = None) -> StageModel:
+    """Shard `model` over `tp_group`, split its sequence over `cp_group`, spread its experts over `ep_group`
+    per `layout` and set up recompute; returns the same module. `token_group`: the ranks holding parts of one
+    micro-batch (the stage under sp, else the cp x dp replicas; None when one rank holds it), over which MoE
+    layers pool their load-balancing statistics.
 
     Works on real or meta parameters; values already present are sliced, so initializing before or
     after gives the same weights.
@@ -85,6 +91,13 @@ def parallelize_stage(model: StageModel, *, layout: ParallelLayout, tp_group: Pr
             raise ValueError(f"layout has cp {layout.cp}, but the cp group has "
                              f"{None if cp_group is None else dist.get_world_size(cp_group)} ranks")
         apply_context_parallel(model, cp_group)
+    if layout.ep > 1 and (ep_group is None or dist.get_world_size(ep_group) != layout.ep):
+        raise ValueError(f"layout has ep {layout.ep}, but the ep group has "
+                         f"{None if ep_group is None else dist.get_world_size(ep_group)} ranks")
+    for block in model.layers.values():
+        if isinstance(block.mlp, MoE):
+            _parallelize_moe(block.mlp, layout=layout, tp_group=tp_group if tp > 1 else None, ep_group=ep_group,
+                             token_group=token_group)
     apply_recompute(model, layout.recompute)
     return model
 
@@ -95,9 +108,7 @@ def _apply_tensor_parallel(model: StageModel, group: ProcessGroup, *, sp: bool) 
     for block in model.layers.values():
         _shard_attention(block.attn, spec, tp, rank)
         tp_regions: list[nn.Module] = [block.attn]
-        if isinstance(block.mlp, MoE):
-            tp_regions += _shard_moe(block.mlp, group, tp, rank)
-        else:
+        if not isinstance(block.mlp, MoE):  # MoE layers: `_parallelize_moe`
             _shard_mlp(block.mlp, tp, rank)
             tp_regions.append(block.mlp)
         for module in tp_regions:
@@ -146,27 +157,92 @@ def _shard_mlp(mlp: FeedForward, tp: int, rank: int) -> None:
     _shard_linear(mlp.w2, 1, rank * rows, rows)
 
 
-def _shard_moe(moe: MoE, group: ProcessGroup, tp: int, rank: int) -> list[nn.Module]:
-    """Split every expert (and the shared expert) like the dense MLP; returns the shared expert, whose tp
-    region is the usual one. The router and the shared expert's gate stay whole and outside the tp regions:
-    they see the replicated input, and the routing weights enter the experts' region through `copy_to_tp`
-    (its backward sums their partial gradients over tp), so their gradients are full on every tp rank and
-    need no `partial_grad` mark. The same holds for the load-balancing loss, computed outside the region."""
+def _parallelize_moe(moe: MoE, *, layout: ParallelLayout, tp_group: ProcessGroup | None,
+                     ep_group: ProcessGroup | None, token_group: ProcessGroup | None) -> None:
+    """Keep this ep rank's experts (global names kept), split them over etp and the shared expert over tp, and
+    put the collectives around them.
+
+    The router and the shared expert's gate stay whole and outside the tp regions. Without sp they see the
+    replicated tokens, and the routing weights enter the experts' region through `copy_to_tp` (or `split_rows`),
+    whose backward completes their gradient on every tp rank, so they need no `partial_grad` mark; under sp they
+    see this rank's sequence chunk and their gradients are partial over tp. The load-balancing statistics are
+    pooled over `token_group` (`Router.pool`).
+
+    The routed experts' region, by expert layout (etp is tp or 1; the layout rules refuse the rest):
+      * etp = tp: experts split like the dense MLP; each rank of a tp group dispatches the same tokens to the
+        same slices, so the region is entered as a dense MLP's: replicated rows (gathered rows under sp), and the
+        partial outputs summed over tp after the tokens came back (reduce-scattered under sp);
+      * etp = 1: whole experts; without sp each tp rank dispatches its share of the replicated rows (`split_rows`)
+        and the outputs are gathered back (`gather_rows`); under sp the rows are already distinct.
+    With ep > 1 the tokens reach the experts of other ranks through `AllToAllDispatcher` on `ep_group`.
+    """
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+    if token_group is not None:
+        moe.router.pool = partial(all_reduce_sum, group=token_group)
+    if layout.sp and tp > 1:
+        _mark_partial(moe.router, *([moe.shared_expert_gate] if moe.shared_expert_gate is not None else []))
+    held = local_experts(moe.experts.num_experts, layout.ep, ep_rank)
+    for key in [key for key in moe.experts.keys() if int(key) not in held]:
+        del moe.experts[key]
     for expert in moe.experts.values():
-        _shard_mlp(expert, tp, rank)
-    moe.experts.register_forward_pre_hook(_enter_experts_hook(group))
-    moe.experts.register_forward_hook(_leave_hook(group, sp=False))
-    if moe.shared_expert is None:
-        return []
-    _shard_mlp(moe.shared_expert, tp, rank)
-    return [moe.shared_expert]
+        if layout.expert_tp > 1:
+            _shard_mlp(expert, tp, tp_rank)
+        if layout.separate_experts:
+            for param in expert.parameters():
+                set_shard(param, replace(shard_of(param), expert=True))
+    if layout.ep > 1:
+        moe.experts.dispatcher = AllToAllDispatcher(ep_group, num_experts=moe.experts.num_experts)
+    if tp_group is None:
+        return
+    if layout.expert_tp == tp:
+        moe.experts.register_forward_pre_hook(_enter_experts_hook(tp_group, layout.sp))
+        moe.experts.register_forward_hook(_leave_rows_hook(tp_group, layout.sp))
+    elif not layout.sp:
+        moe.experts.register_forward_pre_hook(_split_experts_rows_hook(tp_group))
+        moe.experts.register_forward_hook(lambda module, args, out: gather_rows(out, tp_group, module.num_rows))
+    if moe.shared_expert is not None:
+        _shard_mlp(moe.shared_expert, tp, tp_rank)
+        moe.shared_expert.register_forward_pre_hook(_enter_rows_hook(tp_group, layout.sp))
+        moe.shared_expert.register_forward_hook(_leave_rows_hook(tp_group, layout.sp))
 
 
-def _enter_experts_hook(group: ProcessGroup):
-    """Before the routed experts: the tokens and their routing weights, each summing its gradient over tp."""
+def _enter_rows_hook(group: ProcessGroup, sp: bool):
+    """Before a tp region on token rows `[T, H]`: replicated rows (all-gathered rows under sp)."""
+    def hook(module, args):
+        x = gather_seq(args[0][None], group)[0] if sp else copy_to_tp(args[0], group)
+        return (x, *args[1:])
+    return hook
+
+
+def _leave_rows_hook(group: ProcessGroup, sp: bool):
+    """After a tp region on token rows: the partial outputs summed over tp (reduce-scattered rows under sp)."""
+    def hook(module, args, out):
+        return reduce_scatter_seq(out[None], group)[0] if sp else reduce_from_tp(out, group)
+    return hook
+
+
+def _enter_experts_hook(group: ProcessGroup, sp: bool):
+    """Before experts split over tp: the tokens and their routing weights replicated over tp, each summing its
+    gradient over tp (under sp: every rank's rows gathered, the gradient reduce-scattered back)."""
+    enter = _enter_rows_hook(group, sp)
+
     def hook(module, args):
         x_TH, weights_TK, indices_TK = args
-        return copy_to_tp(x_TH, group), copy_to_tp(weights_TK, group), indices_TK
+        if sp:
+            return enter(module, (x_TH,))[0], enter(module, (weights_TK,))[0], all_gather_dim(indices_TK, group, 0)
+        return enter(module, (x_TH,))[0], enter(module, (weights_TK,))[0], indices_TK
+    return hook
+
+
+def _split_experts_rows_hook(group: ProcessGroup):
+    """Before whole experts on a tp group's replicated rows: this rank's share of the rows (`split_rows`)."""
+    def hook(module, args):
+        x_TH, weights_TK, indices_TK = args
+        module.num_rows = x_TH.shape[0]  # for the gather after the experts
+        start, length, _ = row_share(x_TH.shape[0], group)
+        return split_rows(x_TH, group), split_rows(weights_TK, group), indices_TK[start:start + length]
     return hook
 
 

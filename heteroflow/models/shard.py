@@ -30,6 +30,9 @@ class ParamShard:
     partial_grad: bool = False
     """The local gradient is this rank's part of a sum over the tp group: all-reduce it before use
     (norms under sequence parallelism, q/k norms, kv projections replicated because tp > kv heads)."""
+    expert: bool = False
+    """A routed expert's parameter under an expert layout of its own (ep > 1 or etp != tp): `dim` splits it over
+    the etp group, and its replicas are the expert-dp group, not the stage's tp, cp and dp ranks."""
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of `full` (a view)."""

@@ -132,9 +132,11 @@ class TrainCheckpoints:
         started = time.perf_counter()
         info = self.rt.info
         # cp ranks hold the same weights and optimizer state (cp splits only the sequence): cp rank 0 writes,
-        # unless ZeRO-3 shards them over cp x dp: then each rank writes its own range
+        # unless ZeRO-3 shards them over cp x dp: then each rank writes its own range. Experts with a layout of
+        # their own are written by expert-dp rank 0 (whatever its cp index).
         writes = info.cp == 0 or self.rt.shards_over_cp
-        pieces = stage_pieces(self.rt.model, self.rt.optimizer, tp_rank=info.tp, dp_rank=info.dp) if writes else []
+        pieces = stage_pieces(self.rt.model, self.rt.optimizer, tp_rank=info.tp, dp_rank=info.dp, writes_dense=writes,
+                              expert_ranks=(info.etp, info.expert_dp))
         gbs = self.job.train.global_batch_size
         metadata = {"model": self.job.model.to_dict(), "train": self.job.train.to_dict(),
                     "plan": self.plan.to_dict(), "cluster": self.job.cluster.to_dict(),

@@ -11,7 +11,9 @@ from heteroflow.backends import ProcessGroups, RankMap, StageBoundary
 from heteroflow.backends.rankmap import RankInfo
 from heteroflow.config import JobConfig, PlanSpec, StageSpec
 from heteroflow.devices.facade import Device
+from heteroflow.models.context_parallel import all_reduce_cp_grads
 from heteroflow.models.data_parallel import DataParallelAdamW, sync_tied_grads
+from heteroflow.models.expert_data_parallel import ExpertDataParallelAdamW
 from heteroflow.models.init import init_weights, materialize
 from heteroflow.models.llama import StageModel, build_stage_model
 from heteroflow.models.parallelize import parallelize_stage
@@ -37,7 +39,7 @@ class StageRuntime:
     model: StageModel
     optimizer: StageOptimizer
     """`OffloadedAdamW` when the stage's plan offloads optimizer state or parameters, `Zero3AdamW` under ZeRO-3,
-    else `DataParallelAdamW`."""
+    `ExpertDataParallelAdamW` when its experts have a layout of their own, else `DataParallelAdamW`."""
     prev: StageBoundary | None
     """Boundary from the previous stage (None on the first stage)."""
     next: StageBoundary | None
@@ -92,6 +94,23 @@ class StageRuntime:
             sync_tied_grads(self.model, group=self.tied_group, tp_rank=self.info.tp,
                             dp_rank=self.info.dp * self.stage.layout.cp + self.info.cp, grad_of=self.optimizer.grad_of)
 
+    def sum_cp_grads(self) -> None:
+        """Sum the weights' gradients over cp (each cp rank saw only its tokens), unless the optimizer does it (ZeRO-3)
+        or cp is 1. Experts with a layout of their own are summed over expert-dp by the optimizer instead."""
+        if self.stage.layout.cp == 1 or self.shards_over_cp:
+            return
+        opt = self.optimizer
+        grad_of = opt.dense_grad_of if isinstance(opt, ExpertDataParallelAdamW) else opt.grad_of
+        all_reduce_cp_grads(self.model, self.groups.cp, grad_of=grad_of)
+
+    def grad_sq_norm_share(self) -> torch.Tensor:
+        """This rank's share of the global squared gradient norm (fp32, CPU): cp ranks hold the same gradients after
+        the cp sum, so one of them counts them (ZeRO-3 shards them; `ExpertDataParallelAdamW` sees to it itself)."""
+        share = self.optimizer.grad_sq_norm_share().float().cpu()
+        if self.info.cp != 0 and not self.shards_over_cp and not isinstance(self.optimizer, ExpertDataParallelAdamW):
+            share = share * 0  # keeps a nan or inf of this rank visible to all
+        return share
+
     def close(self) -> None:
         """Free the offload stores and delete the swap files (idempotent; call also when the step failed)."""
         if isinstance(self.optimizer, OffloadedAdamW):
@@ -113,7 +132,10 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     with torch.device("meta"):
         model = build_stage_model(job.model, first_layer=first, last_layer=last, is_first=k == 0,
                                   is_last=k == num_stages - 1)
-    parallelize_stage(model, layout=stage.layout, tp_group=groups.tp, cp_group=groups.cp)
+    # MoE layers pool their load-balancing statistics over the ranks holding parts of one micro-batch.
+    token_group = groups.stage if stage.layout.sp else groups.replicas
+    parallelize_stage(model, layout=stage.layout, tp_group=groups.tp, cp_group=groups.cp, ep_group=groups.ep,
+                      token_group=token_group if dist.get_world_size(token_group) > 1 else None)
     # Offloaded blocks go to their tier from the host: the device never holds the whole stage.
     materialize(model, "cpu" if stage.layout.offload.params != "device" else device.torch_device)
     if init_from is not None:
@@ -138,6 +160,11 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     elif stage.layout.zero == 3:
         optimizer = Zero3AdamW(model, dp_group=groups.replicas, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
                                eps=t.adam_eps, weight_decay=t.weight_decay)
+    elif stage.layout.separate_experts and job.model.moe is not None:
+        optimizer = ExpertDataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp,
+                                            expert_dp_group=groups.expert_dp, etp_group=groups.etp, cp_rank=info.cp,
+                                            zero=stage.layout.zero, betas=(t.adam_beta1, t.adam_beta2),
+                                            eps=t.adam_eps, weight_decay=t.weight_decay)
     else:
         optimizer = DataParallelAdamW(model, dp_group=groups.dp, tp_group=groups.tp, zero=min(stage.layout.zero, 2),
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,

@@ -132,7 +132,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
-    from heteroflow.models.context_parallel import all_reduce_cp_grads, split_sequence
+    from heteroflow.models.context_parallel import split_sequence
 
     job, plan, train, info, groups, device = args.job, args.plan, args.job.train, rt.info, rt.groups, rt.device
     scaler = LossScaler.for_job(train, [stage.layout.compute_precision(train.precision) for stage in plan.stages])
@@ -144,8 +144,9 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     global_tokens = train.global_batch_size * job.model.seq_length
     counts_loss = rt.is_last and info.tp == 0  # every cp rank's loss is that of its own tokens
     cp = rt.stage.layout.cp
-    # Every tp rank computes the same routing; one copy of each layer's aux loss per dp rank counts.
-    counts_aux = info.tp == 0
+    # Each rank's aux value is its tokens' part of its micro-batch's (`Router.pool`): without sp every tp rank
+    # holds the same tokens and one of them counts; under sp each holds its own.
+    counts_aux = info.tp == 0 or rt.stage.layout.sp
     moe_layers_total = sum(job.model.is_moe_layer(i) for i in range(job.model.num_layers))
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
@@ -182,16 +183,12 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             inject_grad_fault(rt.model, rank, step, rt.optimizer.grad_of)
             with timer.part("dp"):
                 rt.sync_tied_grads()
-                if cp > 1 and not rt.shards_over_cp:  # weights saw only this rank's tokens: sum over cp, then dp
-                    all_reduce_cp_grads(rt.model, groups.cp, grad_of=rt.optimizer.grad_of)
+                rt.sum_cp_grads()  # weights saw only this rank's tokens: sum over cp, then dp
                 rt.optimizer.reduce_grads()
             with timer.part("optimizer"):  # the norm share is the clipping's, priced with the optimizer step
-                norm_share = rt.optimizer.grad_sq_norm_share().float().cpu()
+                norm_share = rt.grad_sq_norm_share()
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
-            # cp ranks hold the same gradients after the cp sum: one of them counts them (ZeRO-3 shards them).
-            if info.cp != 0 and not rt.shards_over_cp:
-                norm_share = norm_share * 0  # keeps a nan or inf of this rank visible to all
             aux_share = take_aux_losses(rt.model)
             totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(()),
                                   aux_share if counts_aux else torch.zeros(())])

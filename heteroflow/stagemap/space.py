@@ -55,11 +55,11 @@ class SearchOptions:
     """Also consider the megatron_uniform plan (which may fall outside the template space)."""
 
 
-RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0, 1, 2), expert_parallel=False)
+RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0, 1, 2))
 """The layouts `heteroflow train` runs: ZeRO 0-3 and every offload tier (parameters with any tp), with optimizer
 state off the device under ZeRO 0, 1 and 2 (ZeRO 1/2: ZeRO-Offload) and parameters off it under ZeRO 0 only
-(`layout.searched`: with dp > 1 the planner offloads them only under ZeRO-3, not run); experts following tp
-(`launcher.prepare.check_runnable` refuses ep and etp until the runtime runs them; then set `expert_parallel`).
+(`layout.searched`: with dp > 1 the planner offloads them only under ZeRO-3, not run); a MoE model's ep and etp
+per stage within the layout check's rules.
 `heteroflow plan` and `plan: auto` search these; `heteroflow plan --all-layouts` the whole priced space."""
 
 @dataclass(frozen=True, slots=True)

@@ -97,3 +97,38 @@ def test_planning_side_imports_need_no_torch():
     code = ("import sys, heteroflow.remap, heteroflow.backends; from heteroflow.backends import RankMap; "
             "from heteroflow.remap import plan_transfer; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+def _megatron_expert_groups(world: int, etp: int, ep: int) -> dict[str, list[tuple[int, ...]]]:
+    """Megatron-core's expert groups for one pipeline stage, written out from its rule: ranks decompose as
+    (expert_dp, ep, etp) with etp varying fastest (order tp-ep-dp); a group varies one index, the others fixed."""
+    edp = world // (etp * ep)
+    at = lambda d, e, t: (d * ep + e) * etp + t  # noqa: E731
+    return {"ep": [tuple(at(d, e, t) for e in range(ep)) for d in range(edp) for t in range(etp)],
+            "etp": [tuple(at(d, e, t) for t in range(etp)) for d in range(edp) for e in range(ep)],
+            "expert_dp": [tuple(at(d, e, t) for d in range(edp)) for e in range(ep) for t in range(etp)]}
+
+
+@pytest.mark.parametrize("layout,etp,ep", [({"tp": 2, "dp": 4, "ep": 4, "etp": 1}, 1, 4),
+                                            ({"tp": 2, "dp": 4, "ep": 2}, 2, 2),
+                                            ({"tp": 2, "cp": 2, "dp": 2, "ep": 4, "etp": 1}, 1, 4)])
+def test_expert_groups_fold_over_the_stage_as_megatron_core(layout, etp, ep):
+    """A MoE stage's ep / etp / expert-dp groups fold over its tp x cp x dp ranks as Megatron-core's expert rank
+    generator does, offset by the stage's first rank; every rank's expert indices lead back to it."""
+    config = parse_job({
+        "cluster": {"nodes": [{"name": "a", "device": "nvidia-a100-80g", "count": 1},
+                              {"name": "b", "device": "nvidia-a100-80g", "count": 8}]},
+        "model": {"preset": "micro-llama", "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
+        "train": {"global_batch_size": 16, "micro_batch_size": 4, "precision": "fp32", "steps": 1},
+        "plan": {"micro_batch_size": 4, "stages": [{"devices": ["a"], "layers": 2}, {"devices": ["b"], "layers": 2,
+                                                                                      **layout}]}})
+    ranks = RankMap.from_plan(config.plan, config.cluster)
+    want = {name: [tuple(1 + r for r in group) for group in groups]
+            for name, groups in _megatron_expert_groups(8, etp, ep).items()}
+    assert ranks.ep_groups(1) == want["ep"] and ranks.etp_groups(1) == want["etp"]
+    assert ranks.expert_dp_groups(1) == want["expert_dp"]
+    stage = ranks.stages[1]
+    for rank in stage.ranks:
+        info = ranks.info(rank)
+        assert stage.expert_rank(expert_dp=info.expert_dp, ep=info.ep, etp=info.etp) == rank
+    assert ranks.ep_groups(0) == [(0,)] and ranks.expert_dp_groups(0) == [(0,)]  # a stage without expert layout

@@ -70,6 +70,8 @@ def test_layout_rules_for_moe():
     spec = parse_job(job({"preset": "micro-llama", "moe": {**MOE, "ffn_hidden_size": 30}})).model
     keys = {(p.key, p.message) for p in ParallelLayout(tp=4, sp=True).validate(spec)}
     assert ("tp", "tp 4 does not divide model.moe.ffn_hidden_size 30") in keys
-    assert any(key == "sp" and "mixture-of-experts" in message for key, message in keys)
-    assert any(p.key == "cp" and "mixture-of-experts" in p.message for p in ParallelLayout(cp=2).validate(spec))
     assert not ParallelLayout(tp=2).validate(spec)
+    assert not ParallelLayout(tp=2, sp=True, cp=2).validate(spec)  # MoE runs with sp and cp
+    # the runtime splits experts over all of tp or none of it, and runs ZeRO-3 / offload without an expert layout
+    assert [p.key for p in ParallelLayout(tp=2, dp=2, etp=1, ep=2, zero=3).validate(spec)] == ["ep"]
+    assert "etp" in [p.key for p in ParallelLayout(tp=4, dp=1, etp=2).validate(spec)]

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from conftest import save_tiny_mixtral
 from heteroflow.config import parse_job
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs
@@ -93,18 +94,9 @@ def test_aux_loss_coefficient_changes_training_not_the_loss_figure(tmp_path):
 def test_init_from_mixtral_first_step_loss_matches_transformers(tmp_path, plan):
     """A random tiny Mixtral saved by transformers, loaded with `train.init_from` (experts split over tp on
     the 2-stage plan), gives transformers' first-step loss on the same batch."""
-    transformers = pytest.importorskip("transformers")
     from heteroflow.data.builtin import open_train_data
 
-    torch.manual_seed(11)
-    config = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
-    hf = transformers.MixtralForCausalLM(config)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    hf.save_pretrained(tmp_path / "mixtral", safe_serialization=True)
+    hf = save_tiny_mixtral(tmp_path / "mixtral", num_experts=4)
     model = {"preset": "micro-llama", "ffn_hidden_size": 96, "rope_theta": 1000000.0,
              "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 96, "aux_loss_coeff": 0.02}}
     job = parse_job({"cluster": CLUSTER, "model": model, "plan": plan,
@@ -116,6 +108,6 @@ def test_init_from_mixtral_first_step_loss_matches_transformers(tmp_path, plan):
     data = open_train_data(job, work_dir=data_dir, steps=1)
     tokens, labels = data.batch(data.order.global_batch(0))
     with torch.no_grad():
-        logits = hf.float().eval()(input_ids=tokens).logits
+        logits = hf(input_ids=tokens).logits
     assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item(),
                                  rel=1e-5)

@@ -79,7 +79,7 @@ def test_plan_json_and_text_show_the_expert_layout(mixtral_report):
     assert "all-to-all" in text
 
 
-def test_plan_auto_keeps_experts_on_tp_until_the_runtime_runs_ep():
+def test_plan_auto_searches_expert_layouts_the_runtime_runs():
     report = search_plan(_mixtral(), options=RUNTIME_LAYOUTS)
-    assert {(s.layout.ep, s.layout.etp) for s in report.estimate.stages} == {(1, None)}
+    assert any(s.layout.ep > 1 for s in report.estimate.stages)
     check_runnable(report.plan)  # what `train` with `plan: auto` would run
