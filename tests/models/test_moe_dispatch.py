@@ -3,10 +3,13 @@ and gradients; the row collectives used with etp 1 are each other's adjoints."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from heteroflow.config.moe import MoESpec
+from heteroflow.layout.routing import alltoall_bytes_per_rank
 from heteroflow.layout.shards import local_experts
 from heteroflow.models.moe import Experts, Router
 from heteroflow.testing import run_ranks
@@ -100,3 +103,27 @@ def _rows_rank(rank: int, world_size: int):
 
 def test_split_and_gather_rows_are_adjoint():
     run_ranks(_rows_rank, 2, timeout_s=60)
+
+
+def _uniform_rank(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    from heteroflow.models.moe_dispatch import AllToAllDispatcher
+
+    tokens = 4 * E  # every expert gets the same number of (token, slot) pairs
+    indices = (torch.arange(tokens)[:, None] * K + torch.arange(K)[None, :] + rank) % E
+    experts = _experts()
+    for key in [k for k in experts.keys() if int(k) not in local_experts(E, world_size, rank)]:
+        del experts[key]
+    experts.dispatcher = AllToAllDispatcher(dist.group.WORLD, num_experts=E)
+    experts(torch.randn(tokens, H), torch.full((tokens, K), 1.0 / K), indices)
+    return tokens, experts.dispatcher.counts
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_planner_prices_the_bytes_the_dispatcher_sends_under_uniform_routing(world_size):
+    """`layout.routing.alltoall_bytes_per_rank` (the planner's all-to-all volume) is what the runtime sends."""
+    model = SimpleNamespace(hidden_size=H, moe=SPEC)
+    for tokens, counts in run_ranks(_uniform_rank, world_size, timeout_s=120):
+        priced = alltoall_bytes_per_rank(model, tokens, tp=1, ep=world_size, etp=1, dtype_bytes=4)
+        assert counts.sent_bytes == counts.received_bytes == priced > 0
