@@ -35,6 +35,8 @@ class MoEShape(Protocol):
 class ModelShape(Protocol):
     """The model attributes the layout rules and per-rank counts read (`config.ModelSpec` provides them)."""
 
+    num_layers: int
+
     num_attention_heads: int
     num_kv_heads: int
     ffn_hidden_size: int

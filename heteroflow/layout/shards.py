@@ -31,21 +31,21 @@ def mlp_matrices(model: ModelShape) -> int:
     return 3 if model.activation == "swiglu" else 2
 
 
+def has_dense_layers(model: ModelShape) -> bool:
+    """Whether any block has the dense MLP: every block of a dense model; in a mixture-of-experts model the first
+    dense layers and those the layer frequency skips (`is_moe_layer`)."""
+    return model.moe is None or not all(model.is_moe_layer(i) for i in range(model.num_layers))
+
+
 def active_ffn_width(model: ModelShape) -> int:
     """FFN inner width one token goes through in a block, for activations and model FLOPs: `ffn_hidden_size`, or
-    in a mixture-of-experts model the larger of it and top_k routed experts plus the shared expert (so a model
-    with some dense layers is priced at its costlier layer kind)."""
+    in a mixture-of-experts model top_k routed experts plus the shared expert, or the larger of the two when the
+    model also has dense layers (a block is priced at its costlier layer kind)."""
     moe = model.moe
     if moe is None:
         return model.ffn_hidden_size
-    return max(model.ffn_hidden_size, moe.top_k * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size)
-
-
-def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
-    """The global indices of the routed experts ep rank `ep_rank` holds: a contiguous 1/ep of them (Megatron-core's
-    placement)."""
-    per_rank = num_experts // ep
-    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+    routed = moe.top_k * moe.ffn_hidden_size + moe.shared_expert_ffn_hidden_size
+    return max(model.ffn_hidden_size, routed) if has_dense_layers(model) else routed
 
 
 def routed_expert_params_per_rank(model: ModelShape, *, ep: int = 1, etp: int = 1) -> float:
@@ -65,12 +65,13 @@ def _moe_ffn_params_per_rank(model: ModelShape, tp: int, ep: int, etp: int) -> t
 
 def mlp_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
     """Parameters of one block's FFN on one rank, every local expert counted (memory, gradients, optimizer):
-    the dense MLP split over tp, or the larger of it and a MoE layer (`_moe_ffn_params_per_rank` under expert
-    parallelism `ep` and expert tensor parallelism `etp`, None: tp)."""
+    the dense MLP split over tp, or a MoE layer's (`_moe_ffn_params_per_rank` under expert parallelism `ep` and
+    expert tensor parallelism `etp`, None: tp), or the larger of the two when the model has both kinds."""
     dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
     if model.moe is None:
         return dense
-    return max(dense, sum(_moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp)))
+    moe = sum(_moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp))
+    return max(dense, moe) if has_dense_layers(model) else moe
 
 
 def expert_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
@@ -81,7 +82,7 @@ def expert_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int 
         return 0.0
     outside, routed = _moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp)
     dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
-    return routed if outside + routed >= dense else 0.0
+    return routed if outside + routed >= dense or not has_dense_layers(model) else 0.0
 
 
 def layer_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:

@@ -408,7 +408,8 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  alltoall_bwd=alltoall_bwd, p_layer=p_layer, p_expert=p_expert, gather_weights_s=block_gather(wb, z3),
                  zero3_scatter_s=block_gather(GRAD_REDUCE_BYTES, z3), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
-                 stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
+                 stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act,
+                                              etp=etp)
                          for rc in ("none", "selective", "full")},
                  memory=_with_cp_working(memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
                                                       capacity_gib=dev.memory_gib, ep=ep, etp=etp),

@@ -47,6 +47,7 @@ from heteroflow.config.model import ModelSpec
 from heteroflow.layout import ParallelLayout, in_flight
 from heteroflow.layout.shards import (active_ffn_width, embedding_params_per_rank, expert_params_per_rank,
                                       head_params_per_rank, kv_heads_per_rank, layer_params_per_rank)
+from heteroflow.layout.routing import routed_pairs_per_rank
 from heteroflow.layout.state import GRAD_REDUCE_BYTES, optimizer_shards, state_bytes
 
 GIB = float(1 << 30)
@@ -137,13 +138,15 @@ def attention_core_bytes(model: ModelSpec, *, tokens: float, tp: int, dtype_byte
     return tokens * (dtype_bytes * repeated + 4 * (q // d))
 
 
-def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, recompute: str, dtype_bytes: int) -> float:
+def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, recompute: str, dtype_bytes: int,
+                     etp: int | None = None) -> float:
     """Stored activations of one block for one micro-batch on one device, as the runtime's block saves them.
 
     Two norms (`norm_bytes`, over h / tp values per token under sp); Q after rope, K, V and the attention output;
     the attention core's own (`attention_core_bytes`: repeated K and V, log-sum-exp); the rope tables; SwiGLU's
-    gate, up, activated gate and product (a plain MLP: its input to the activation and the activation's output).
-    Selective recompute drops the core's; full keeps only the block input."""
+    gate, up, activated gate and product (a plain MLP: its input to the activation and the activation's output;
+    a MoE block: those of its routed pairs, plus `routing_bytes`). Selective recompute drops the core's; full
+    keeps only the block input."""
     h, d = model.hidden_size, model.kv_channels
     h_e = h / tp if sp else h
     if recompute == "full":
@@ -156,9 +159,23 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
     norms = (norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=3, dtype_bytes=dtype_bytes)  # wq, wk, wv
              + norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=2 if swiglu else 1, dtype_bytes=dtype_bytes))
     outside_core = norms + tokens * dtype_bytes * (2 * q + 2 * kv + mlp) + rope
+    if model.moe is not None:
+        outside_core += routing_bytes(model, tokens=tokens, tp=tp, sp=sp, etp=tp if etp is None else etp,
+                                      dtype_bytes=dtype_bytes)
     if recompute == "selective":
         return outside_core
     return outside_core + attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=dtype_bytes)
+
+
+def routing_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, etp: int, dtype_bytes: int) -> float:
+    """What a MoE block saves beyond its experts' SwiGLU activations (`models.moe`): the router's fp32 scores over
+    every expert, each routed pair's expert input row and weighted expert output (h values each), and the int64
+    token and slot indices that route them. A rank routes its sequence chunk under sp, and its experts compute
+    `layout.routing.routed_pairs_per_rank` pairs (uniform routing)."""
+    moe = model.moe
+    routed = tokens / tp if sp else tokens
+    pairs = routed_pairs_per_rank(model, tokens, tp=tp, etp=etp)
+    return routed * moe.num_experts * 4 + pairs * (2 * model.hidden_size * dtype_bytes + 2 * 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +211,7 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
     wb, gb, ob = state_bytes_per_param(precision)
     act = dtype_bytes(precision)
     p_layer, p_embed, p_head, tied = _params(model, tp, ep, etp)
-    stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act)
+    stored = {rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act, etp=etp)
               for rc in ("none", "selective", "full")}
     working = {"none": 0.0, "full": stored["none"],
                "selective": attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=act)}

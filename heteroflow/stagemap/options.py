@@ -239,7 +239,8 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
         elif act > 0:
             tokens = micro_batch_size / lay.dp * job.model.seq_length / lay.cp
             act = min(act, activation_bytes(job.model, tokens=tokens, tp=lay.tp, sp=lay.sp,
-                                            recompute=lay.recompute, dtype_bytes=dtype_bytes(hw.precision)))
+                                            recompute=lay.recompute, dtype_bytes=dtype_bytes(hw.precision),
+                                            etp=lay.etp))
     return QuickStats(rate_s=min(c.fwd_layer_s + c.bwd_layer_s for c in costs),
                       first_s=min(c.fwd_first_s + c.bwd_first_s for c in costs),
                       last_s=min(c.fwd_last_s + c.bwd_last_s for c in costs),

@@ -40,6 +40,15 @@ LAYOUTS: dict[str, dict] = {
 }
 """Name -> plan: tp, sp, dp, ZeRO 1 and 2, full and selective recompute, and each offload tier."""
 
+MOE_MODEL = {**MODEL, "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 64, "aux_loss_coeff": 0.01}}
+MOE_LAYOUTS: dict[str, dict] = {
+    "moe-dp2-ep2-zero1": _two_stages(dp=2, ep=2, zero=1),
+    "moe-tp2-sp-ep2-etp1": _two_stages(tp=2, sp=True, ep=2, etp=1),
+}
+"""Name -> plan of a mixture-of-experts micro-llama: experts split over ep (ZeRO over expert-dp), and over ep
+across a tp group with whole experts (etp 1)."""
+LAYOUTS.update(MOE_LAYOUTS)
+
 
 def unseen_on_cpu(job, plan, stage: int) -> float:
     """Bytes of plan stage `stage`'s planned peak that exist on a device but that CPU emulation cannot count:
@@ -92,7 +101,7 @@ def _run_layouts(rank: int, world_size: int, names: list[str], work_dir: str) ->
     rows: list[RankMemory] = []
     for name in names:
         metrics = os.path.join(work_dir, f"{name}.jsonl")
-        job = parse_job({"cluster": CLUSTER, "model": MODEL, "plan": LAYOUTS[name],
+        job = parse_job({"cluster": CLUSTER, "model": MOE_MODEL if name in MOE_LAYOUTS else MODEL, "plan": LAYOUTS[name],
                          "train": {**TRAIN, "offload_dir": os.path.join(work_dir, "swap")}})
         args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=TRAIN["steps"], show_progress=False,
                           data_dir=os.path.join(work_dir, "data"), metrics_path=metrics, timeout_s=300)

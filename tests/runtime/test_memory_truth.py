@@ -1,4 +1,5 @@
-"""One memory truth: every rank's measured bytes against the planner's figure, for twelve layouts.
+"""One memory truth: every rank's measured bytes against the planner's figure, for fourteen layouts (two of
+them mixture-of-experts under expert parallelism).
 
 The training state (parameters, gradient buffer, master and moments) is what the planner prices, byte for byte,
 on every rank of every layout whose state stays on the device; each rank's measured peak is within 10% of the
