@@ -16,7 +16,6 @@ from heteroflow.checkpoint.meta import check_model, read_metadata
 from heteroflow.checkpoint.verify import checkpoint_to_resume
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
-from heteroflow.offload.stage_optimizer import check_offload_plan
 from heteroflow.runtime.checkpoint import checkpoint_root
 from heteroflow.runtime.worker import WorkerArgs
 
@@ -123,7 +122,6 @@ def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = 
 
 def check_runnable(plan: PlanSpec) -> None:
     """Refuse what the planner prices but the runtime does not run yet."""
-    check_offload_plan(plan)
     for k, stage in enumerate(plan.stages):
         lay = stage.layout
         if lay.ep != 1 or lay.expert_tp != lay.tp:

@@ -17,7 +17,7 @@ from heteroflow.config import parse_job
 from heteroflow.errors import ConfigError, UserError
 from heteroflow.launcher.swap import check_swap_space, swap_bytes, sweep_swap
 from heteroflow.offload.optimizer import ADAM_ENV, deepspeed_cpu_adam_module
-from heteroflow.offload.stage_optimizer import check_offload_plan
+from heteroflow.launcher.prepare import check_runnable
 from heteroflow.offload.swap import SCRATCH_MARKER, SWAP_PREFIX
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs, run_worker
@@ -254,36 +254,26 @@ def _job(stages: list[dict], train: dict | None = None, tmp_path: Path | None = 
                       "plan": {"micro_batch_size": 4, "stages": stages}}, base_dir=str(tmp_path or "."))
 
 
-def test_zero_with_offloaded_params_is_refused_naming_the_stage():
-    job = _job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1, "offload": {"optimizer": "ssd"}},
-                {"devices": ["a:2-3"], "layers": 2, "dp": 2, "zero": 2,
-                 "offload": {"optimizer": "ssd", "params": "ssd"}}])
-    with pytest.raises(UserError, match=r"plan\.stages\[1\]: zero 2 together with offload \{optimizer: ssd, params: "
-                                        r"ssd\} is not run.*use zero: 0 on this stage, or keep params on the device"):
-        check_offload_plan(job.plan)
+def test_zero_1_2_with_offloaded_params_is_not_a_layout():
+    """Parameters are sharded and offloaded together under ZeRO-3 only: the plan is refused when it is read."""
+    with pytest.raises(ConfigError, match=r"plan\.stages\[1\]\.offload: params: ssd needs zero 3 or 0, got zero 2 "
+                                          r"\(ZeRO 1/2 do not shard parameters\); use zero: 3"):
+        _job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1, "offload": {"optimizer": "ssd"}},
+              {"devices": ["a:2-3"], "layers": 2, "dp": 2, "zero": 2, "offload": {"optimizer": "ssd", "params": "ssd"}}])
 
 
-def test_train_refuses_before_launch(tmp_path, monkeypatch):
-    from heteroflow.launcher.prepare import TrainOptions
-    from heteroflow.launcher.train import train_job
-
-    monkeypatch.setattr("heteroflow.launcher.train.launch", lambda *a: pytest.fail("launched a refused plan"))
-    monkeypatch.setenv("HETEROFLOW_CACHE", str(tmp_path / "cache"))
-    job = _job([{"devices": ["a:0-3"], "layers": 4, "dp": 4, "zero": 2,
-                 "offload": {"optimizer": "cpu", "params": "cpu"}}])
-    with pytest.raises(UserError, match=r"plan\.stages\[0\]: zero 2 together with offload"):
-        train_job(job, TrainOptions(emulate=True, steps=1))
-
-
-def test_activation_offload_alone_and_optimizer_or_params_offload_with_tp_are_run():
-    check_offload_plan(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1,
-                              "offload": {"activations": "cpu"}},
-                             {"devices": ["a:2-3"], "layers": 2, "tp": 2, "offload": {"optimizer": "cpu"}}]).plan)
-    check_offload_plan(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1, "offload": {"optimizer": "cpu"}},
-                             {"devices": ["a:2-3"], "layers": 2, "dp": 2, "zero": 2,
-                              "offload": {"optimizer": "ssd", "activations": "cpu"}}]).plan)
-    check_offload_plan(_job([{"devices": ["a:0-3"], "layers": 4, "tp": 2, "dp": 2,
-                              "offload": {"optimizer": "ssd", "params": "ssd"}}]).plan)
+def test_every_offload_with_every_zero_stage_is_run():
+    check_runnable(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1,
+                          "offload": {"activations": "cpu"}},
+                         {"devices": ["a:2-3"], "layers": 2, "tp": 2, "offload": {"optimizer": "cpu"}}]).plan)
+    check_runnable(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 1, "offload": {"optimizer": "cpu"}},
+                         {"devices": ["a:2-3"], "layers": 2, "dp": 2, "zero": 2,
+                          "offload": {"optimizer": "ssd", "activations": "cpu"}}]).plan)
+    check_runnable(_job([{"devices": ["a:0-3"], "layers": 4, "tp": 2, "dp": 2,
+                          "offload": {"optimizer": "ssd", "params": "ssd"}}]).plan)
+    check_runnable(_job([{"devices": ["a:0-1"], "layers": 2, "dp": 2, "zero": 3, "offload": {"optimizer": "cpu"}},
+                         {"devices": ["a:2-3"], "layers": 2, "cp": 2, "zero": 3,
+                          "offload": {"optimizer": "ssd", "params": "ssd"}}]).plan)
 
 
 def test_offload_dir_is_a_strict_job_key():
@@ -351,7 +341,7 @@ SMALL_CARDS = {"device_types": {"small-card": {"vendor": "ascend", "memory_gib":
 
 
 def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
-    from heteroflow.launcher.prepare import check_runnable, search_plan_or_fail
+    from heteroflow.launcher.prepare import search_plan_or_fail
     from heteroflow.layout import OffloadSpec
     from heteroflow.stagemap import SearchOptions, search_plan
 
@@ -366,26 +356,23 @@ def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
 
 @pytest.mark.parametrize("num_devices,node_count", [(1, 1), (2, 2), (4, 4), (8, 4)])
 def test_every_layout_plan_auto_searches_is_run(num_devices, node_count):
-    from heteroflow.config import StageSpec
+    from heteroflow.config import PlanSpec, StageSpec
     from heteroflow.config.cluster import DeviceRef
-    from heteroflow.offload.stage_optimizer import check_offload_stage
     from heteroflow.stagemap import RUNTIME_LAYOUTS
     from heteroflow.stagemap.layout import search_layouts
 
     job = parse_job({"cluster": SMALL_CARDS, "model": {"preset": "llama2-7b"}, "train": {"global_batch_size": 16}})
-    model = job.model
-    layouts = search_layouts(model, num_devices=num_devices, node_count=node_count, micro_batch_size=8,
+    layouts = search_layouts(job.model, num_devices=num_devices, node_count=node_count, micro_batch_size=8,
                              zero=RUNTIME_LAYOUTS.zero, offload_zero=RUNTIME_LAYOUTS.offload_zero)
-    # parameters leave the device at dp 1 (with dp > 1 the planner offloads them only under ZeRO-3, not run),
-    # so at any tp that fills the stage
-    offloads_params = {lay.tp for lay in layouts if lay.offload.params != "device"}
-    assert offloads_params == ({num_devices} if num_devices <= node_count else set())
+    # parameters leave the device at dp 1 or, with dp > 1, under ZeRO-3 (ZeRO-Infinity)
+    assert all(lay.dp == 1 or lay.zero == 3 for lay in layouts if lay.offload.params != "device")
     assert any(lay.offload.optimizer != "device" for lay in layouts)
-    # ZeRO-Offload: ZeRO 1 and 2 with the optimizer state on cpu or ssd wherever a stage has dp > 1
+    # ZeRO-Offload and ZeRO-Infinity: every ZeRO stage with the optimizer state on cpu or ssd wherever it shards
     zero_offload = {(lay.zero, lay.offload.optimizer) for lay in layouts
                     if lay.zero and lay.offload.optimizer != "device"}
-    assert zero_offload == ({(z, tier) for z in (1, 2) for tier in ("cpu", "ssd")} if num_devices > 1 else set())
+    expected = {(z, tier) for z in (1, 2, 3) for tier in ("cpu", "ssd")} if num_devices > 1 else set()
+    assert zero_offload == expected
     refs = tuple(DeviceRef(node="n0", index=i) for i in range(num_devices))
     for lay in layouts:
-        check_offload_stage(0, StageSpec(devices=("n0",), device_refs=refs, device_type="small-card", layers=1,
-                                         layout=lay))
+        check_runnable(PlanSpec(stages=(StageSpec(devices=("n0",), device_refs=refs, device_type="small-card",
+                                                  layers=job.model.num_layers, layout=lay),), micro_batch_size=8))
