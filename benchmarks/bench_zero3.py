@@ -123,8 +123,9 @@ def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if offloaded:  # DeepSpeed's CPU AdamW (DeepSpeedCPUAdam), as heteroflow's CPU tier runs
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2],
-                                                           "eps": train.adam_eps, "weight_decay": train.weight_decay}}
+        adamw = {"lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps,
+                 "weight_decay": train.weight_decay}
+        config["optimizer"] = {"type": "AdamW", "params": adamw}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     else:  # torch's AdamW, handed over: DeepSpeed's own "AdamW" JIT-builds a fused kernel, and heteroflow runs torch's
         optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
@@ -219,11 +220,13 @@ def main(argv: list[str]) -> None:
     ds = "DeepSpeed ZeRO-3" + (" offload_optimizer cpu" if a.offload == "optimizer-cpu" else "")
     print(f"losses heteroflow: {' '.join(f'{x:.6f}' for x in results['heteroflow'][0]['losses'])}")
     print(f"losses deepspeed:  {' '.join(f'{x:.6f}' for x in results['deepspeed'][0]['losses'])}")
-    print(f"median step time (warm-up steps excluded): heteroflow {med['heteroflow']:.3f} s, {ds} {med['deepspeed']:.3f} s")
+    print(f"median step time (warm-up steps excluded): heteroflow {med['heteroflow']:.3f} s, {ds} "
+          f"{med['deepspeed']:.3f} s")
     ratio = med["heteroflow"] / med["deepspeed"]
     print(f"ratio heteroflow / DeepSpeed: {ratio:.2f}x (goal <= 1.0x: {'met' if ratio <= 1.0 else 'NOT met'})")
-    print(f"device bytes per rank (training state between steps, rank 0): heteroflow {device['heteroflow'] / 2**20:.2f} "
-          f"MiB, DeepSpeed {device['deepspeed'] / 2**20:.2f} MiB, ratio {device['heteroflow'] / device['deepspeed']:.2f}x")
+    print(f"device bytes per rank (training state between steps, rank 0): heteroflow "
+          f"{device['heteroflow'] / 2**20:.2f} MiB, DeepSpeed {device['deepspeed'] / 2**20:.2f} MiB, ratio "
+          f"{device['heteroflow'] / device['deepspeed']:.2f}x")
     print(f"peak RSS per rank (rank 0, both tiers): heteroflow {rss['heteroflow'] / 2**20:.0f} MiB, DeepSpeed "
           f"{rss['deepspeed'] / 2**20:.0f} MiB, ratio {rss['heteroflow'] / rss['deepspeed']:.2f}x")
     footer(started)

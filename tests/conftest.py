@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -32,3 +35,15 @@ def write_yaml(tmp_path):
         return path
 
     return write
+
+
+def run_heteroflow(*args: str, env: dict | None = None, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """`python -m heteroflow ARGS` from the repository root, output captured."""
+    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=REPO, env=env)
+
+
+@pytest.fixture
+def cache_env(tmp_path) -> dict:
+    """The environment with heteroflow's cache in this test's directory."""
+    return {**os.environ, "HETEROFLOW_CACHE": str(tmp_path / "cache")}

@@ -26,9 +26,13 @@ gradients of successive micro-batches in the sharded gradient; defaults (`reshar
 `requires_gradient_sync`, `reshard_after_backward` all on) give exactly that, so no manual switching is
 needed. In bf16 / fp16 the gathered weights are in that dtype, so norms, embeddings and the residual stream
 compute in it (as under torchtitan's FSDP2), where ZeRO 0-2 stages keep fp32 weights under autocast: the same
-step, rounded differently. Written here rather than taken from FSDP2: the optimizer (torch's optimizers would see DTensors,
-not the tp-local layout the checkpoints and the global norm are keyed on), the tp sum of partial gradients
-and the tied-embedding exchange across stages, which work on the local shards.
+step, rounded differently. Written here rather than taken from FSDP2: the optimizer (torch's optimizers would
+see DTensors, not the tp-local layout the checkpoints and the global norm are keyed on), the tp sum of partial
+gradients and the tied-embedding exchange across stages, which work on the local shards.
+
+With optimizer state or parameters offloaded (ZeRO-Infinity) the same sharding runs in the stage's precision
+(`shards_on_host` for parameters off the device), with `heteroflow.offload.zero3.Zero3OffloadAdamW` as the
+optimizer.
 """
 
 from __future__ import annotations
@@ -48,15 +52,17 @@ from heteroflow.optim.adamw import adamw_step
 
 
 def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: str,
-                      param_dtype: torch.dtype | None, shards_on_host: bool = False) -> list[nn.Module]:
+                      param_dtype: torch.dtype | None, shards_on_host: bool = False,
+                      swapped: bool = False) -> list[nn.Module]:
     """Apply FSDP2 to a parallelized, initialized `StageModel` in place: one unit per block, one for the
     embedding and one for the LM head (unless tied on this stage), the root for the rest. Returns the units in
     the order their forwards start: the root (which encloses the others) first.
 
     `param_dtype` is what the gathered weights are cast to (None: as stored); gradients are reduced in
     fp32 and summed over `dp_group`. `shards_on_host`: the shards live in host memory between uses (FSDP2's
-    `CPUOffloadPolicy`: copied to the device for each all-gather, gradient shards copied back as reduced).
-    Parameters keep their names and `ParamShard` records.
+    `CPUOffloadPolicy`: copied to the device for each all-gather, gradient shards copied back as reduced), in
+    pinned memory on an accelerator unless `swapped` (the caller frees and reallocates their storage between
+    steps, which pinned memory does not allow). Parameters keep their names and `ParamShard` records.
     """
     shards = {name: shard_of(param) for name, param in model.named_parameters()}
     mesh = DeviceMesh.from_group(dp_group, device_type)
@@ -66,7 +72,7 @@ def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: 
     tied_here = model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
     if not tied_here:  # a parameter shared by two units cannot be sharded twice: then the root holds both
         units = [m for m in (model.embed, *blocks, model.head) if m is not None]
-    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu") if shards_on_host else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu" and not swapped) if shards_on_host else OffloadPolicy()
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
@@ -201,9 +207,13 @@ class Zero3AdamW:
         partial = [g for p, g in zip(self.locals, self.grads) if p.shard.partial_grad and g.numel()]
         if partial:  # every tp rank splits these tp-replicated tensors over dp alike: the same elements meet
             flat = torch.cat(partial)
-            dist.all_reduce(flat, group=self.tp_group)
+            self._all_reduce(flat, self.tp_group)
             for g, part in zip(partial, flat.split([g.numel() for g in partial])):
                 g.copy_(part)
+
+    def _all_reduce(self, flat: torch.Tensor, group: ProcessGroup) -> None:
+        """Sum `flat` over `group` in place."""
+        dist.all_reduce(flat, group=group)
 
     @torch.no_grad()
     def grad_sq_norm_share(self) -> torch.Tensor:

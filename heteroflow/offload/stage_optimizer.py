@@ -48,7 +48,6 @@ from torch import nn
 
 from heteroflow.config import StageSpec
 from heteroflow.devices import Device
-from heteroflow.errors import UserError
 from heteroflow.layout.shards import counted_once, zero_flat_range
 from heteroflow.models.data_parallel import all_reduce_partial_grads
 from heteroflow.models.llama import StageModel

@@ -109,8 +109,8 @@ class _ShardSwap:
 class Zero3OffloadAdamW(Zero3AdamW):
     """AdamW of one rank of a ZeRO-3 stage with offloaded state (a `StageOptimizer`); see the module docstring.
 
-    Build it right after `shard_stage_zero3(..., shards_on_host=policy.params != "device")` on the model in the
-    stage's precision; `units` are the units that call returns.
+    Build it right after `shard_stage_zero3(..., shards_on_host=policy.params != "device", swapped=policy.params ==
+    "ssd")` on the model in the stage's precision; `units` are the units that call returns.
     """
 
     def __init__(self, model: nn.Module, *, units: list[nn.Module], policy: OffloadPolicy, device: Device,
@@ -190,6 +190,15 @@ class Zero3OffloadAdamW(Zero3AdamW):
     def _set_grad(self, p: _Local, values: torch.Tensor) -> None:
         self._local_grad(p).copy_(values)
 
+    def _all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Sum a host gradient buffer over `group`, through the device when the backend cannot reduce host memory."""
+        if dist.get_backend(group) == "gloo":
+            dist.all_reduce(flat, group=group)
+            return
+        on_device = flat.to(self.device.torch_device)
+        dist.all_reduce(on_device, group=group)
+        flat.copy_(on_device)
+
     # ---- the step ------------------------------------------------------------------------------
 
     @property
@@ -267,7 +276,8 @@ class Zero3OffloadAdamW(Zero3AdamW):
         shards = self.shard_bytes()
         return {"policy": self.policy.to_dict(), "zero": 3, "which": {"adam": self.adam.which},
                 "optimizer_tier_bytes": shards["optimizer"], "param_tier_bytes": shards["params"],
-                "device_bytes": self.memory_bytes(), "limit_bytes": self.budget.limit_bytes, "peak_bytes": self.budget.peak_bytes,
+                "device_bytes": self.memory_bytes(), "limit_bytes": self.budget.limit_bytes,
+                "peak_bytes": self.budget.peak_bytes,
                 "peak_by_kind": dict(self.budget.peak_by_kind), "resident_bytes": self.budget.resident_bytes,
                 "swap_dir": str(self.swap.path) if self.swap is not None else None,
                 "param_swap_bytes_read": self.shards.store.stats.bytes_read if self.shards is not None else 0}

@@ -137,7 +137,8 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         model.to(dtype)
     if zero3_offload:  # ZeRO-Infinity: shards in the stage's dtype, the fp32 master in the optimizer tier
         units = shard_stage_zero3(model, dp_group=groups.replicas, device_type=device.torch_device.type,
-                                  param_dtype=None, shards_on_host=stage.layout.offload.params != "device")
+                                  param_dtype=None, shards_on_host=stage.layout.offload.params != "device",
+                                  swapped=stage.layout.offload.params == "ssd")
         optimizer: StageOptimizer = zero3_offloaded_optimizer(model, units, job=job, stage=stage, groups=groups,
                                                               device=device)
     elif offloads_state(stage):

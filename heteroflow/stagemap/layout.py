@@ -39,7 +39,7 @@ def cp_choices(model: ModelSpec, num_devices: int, node_count: int, tp: int) -> 
 
 def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None = None) -> bool:
     """Whether `lay` keeps to `offload_zero`, the ZeRO stages allowed when optimizer state or parameters leave
-    the device (None: any). `plan: auto` sets it to what the runtime runs."""
+    the device (None: any; tests and baselines narrow it)."""
     return not (lay.offload.moves_state and offload_zero is not None and lay.zero not in offload_zero)
 
 

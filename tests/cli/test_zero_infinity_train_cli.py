@@ -3,28 +3,14 @@ says which paths run (rank 0's line), and refuses ZeRO 1/2 with offloaded parame
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO
+from conftest import run_heteroflow
 from heteroflow.runtime.metrics import read_step_records
 
 
-def heteroflow(*args: str, env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env=env)
-
-
-@pytest.fixture
-def env(tmp_path):
-    return {**os.environ, "HETEROFLOW_CACHE": str(tmp_path / "cache")}
-
-
 @pytest.mark.slow
-def test_train_runs_zero_infinity(tmp_path, env, write_yaml):
+def test_train_runs_zero_infinity(tmp_path, cache_env, write_yaml):
     job = write_yaml(f"""
         cluster: {{nodes: [{{name: a, device: cpu, count: 4}}]}}
         model: {{preset: micro-llama}}
@@ -34,7 +20,7 @@ def test_train_runs_zero_infinity(tmp_path, env, write_yaml):
           {{devices: ["a:2-3"], layers: 2, cp: 2, zero: 3, offload: {{optimizer: cpu, params: cpu}}}}]}}
         """)
     metrics = tmp_path / "metrics.jsonl"
-    result = heteroflow("train", str(job), "--emulate", "--metrics", str(metrics), env=env)
+    result = run_heteroflow("train", str(job), "--emulate", "--metrics", str(metrics), env=cache_env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stage 0 zero 3 offload {optimizer: ssd, params: ssd}" in result.stdout
     records = read_step_records(metrics)
@@ -43,7 +29,7 @@ def test_train_runs_zero_infinity(tmp_path, env, write_yaml):
     assert not any((tmp_path / "swap").glob("heteroflow-swap-*"))  # swap directories removed at the end
 
 
-def test_zero2_with_offloaded_params_is_a_plan_error(env, write_yaml):
+def test_zero2_with_offloaded_params_is_a_plan_error(cache_env, write_yaml):
     job = write_yaml("""
         cluster: {nodes: [{name: a, device: cpu, count: 2}]}
         model: {preset: micro-llama}
@@ -51,7 +37,7 @@ def test_zero2_with_offloaded_params_is_a_plan_error(env, write_yaml):
         plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, dp: 2, zero: 2, offload: {optimizer: cpu,
                params: cpu}}]}
         """)
-    result = heteroflow("train", str(job), "--emulate", env=env)
+    result = run_heteroflow("train", str(job), "--emulate", env=cache_env)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "plan.stages[0].offload: params: cpu needs zero 3 or 0, got zero 2" in result.stderr
     assert "Traceback" not in result.stderr

@@ -39,7 +39,8 @@ def _measure(rank: int, world_size: int, dp: int, precision: str, offload: dict,
     model.to(dtype)
     stage_numel = sum(p.numel() for p in model.parameters())
     units = shard_stage_zero3(model, dp_group=dp_group, device_type="cpu", param_dtype=None,
-                              shards_on_host=layout.offload.params != "device")
+                              shards_on_host=layout.offload.params != "device",
+                              swapped=layout.offload.params == "ssd")
     policy = OffloadPolicy(optimizer=layout.offload.optimizer, params=layout.offload.params,
                            swap_root=swap_root if "ssd" in offload.values() else None)
     optimizer = Zero3OffloadAdamW(model, units=units, policy=policy, device=Device.cpu(), dp_group=dp_group,

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from heteroflow.config import parse_job
 from heteroflow.layout import ParallelLayout
@@ -15,7 +14,7 @@ from heteroflow.offload.optimizer import ADAM_ENV
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.stagemap.memory import memory_parts, offloaded_optimizer_bytes, stage_memory_bytes
-from heteroflow.testing.training import assemble_weights, run_training
+from heteroflow.testing.training import check_against_reference, run_training
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "a", "device": "cpu", "count": 4}]}
@@ -65,15 +64,7 @@ def test_zero_infinity_trains_like_one_device(reference, tmp_path, name):
     data_dir, (ref_losses, ref_weights) = reference
     job = _job(PLANS[name], tmp=tmp_path)
     results = _run(job, data_dir=data_dir)
-    losses = results[0].losses
-    assert len(losses) == STEPS and losses[-1] < losses[0]
-    for got, want in zip(losses, ref_losses):
-        assert got == pytest.approx(want, rel=1e-5)
-    weights = assemble_weights(results)
-    if "head.weight" in weights and "head.weight" not in ref_weights:
-        weights.pop("head.weight")
-    for key, want in ref_weights.items():
-        torch.testing.assert_close(weights[key], want, rtol=1e-4, atol=1e-4, msg=key)
+    check_against_reference(results, ref_losses, ref_weights)
     # Per rank: the optimizer tier holds the planner's figure (fp32 master + moments, 1/(cp x dp) of the stage's);
     # on the device, the planner's parameter bytes are the shard this rank keeps there plus the gathered window
     # (the planner's figure with the parameters offloaded).
@@ -102,13 +93,16 @@ def _planned(job, k: int, lay: ParallelLayout) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["opt-cpu", "ssd-dp2", "cp2-params-cpu"])
-def test_zero_infinity_checkpoint_resumes_without_offload(reference, tmp_path, name):
-    """Steps 0-1 under the ZeRO-Infinity plan, step 2 under ZeRO-1 on the device: the reference's losses."""
+@pytest.mark.parametrize("first,then", [("opt-cpu", "plain"), ("ssd-dp2", "plain"), ("cp2-params-cpu", "plain"),
+                                        ("plain", "ssd-tp2")])
+def test_zero_infinity_checkpoints_move_to_and_from_plans_without_offload(reference, tmp_path, first, then):
+    """Steps 0-1 under one plan, step 2 under the other (ZeRO-1 with everything on the device, or ZeRO-Infinity):
+    the reference's losses."""
     data_dir, (ref_losses, _) = reference
+    plans = {**PLANS, "plain": PLAIN}
     ckpt = {"dir": str(tmp_path / "ckpt"), "interval": 2, "keep": 1}
-    first = _run(_job(PLANS[name], tmp=tmp_path / "swap", steps=2, checkpoint=ckpt), data_dir=data_dir, steps=2)
-    resumed = _run(_job(PLAIN, tmp=tmp_path / "swap", checkpoint=ckpt), data_dir=data_dir, resume=True)
-    assert resumed[0].first_step == 2
-    for step, (got, want) in enumerate(zip(list(first[0].losses) + list(resumed[0].losses), ref_losses)):
+    before = _run(_job(plans[first], tmp=tmp_path / "swap", steps=2, checkpoint=ckpt), data_dir=data_dir, steps=2)
+    after = _run(_job(plans[then], tmp=tmp_path / "swap", checkpoint=ckpt), data_dir=data_dir, resume=True)
+    assert after[0].first_step == 2
+    for step, (got, want) in enumerate(zip(list(before[0].losses) + list(after[0].losses), ref_losses)):
         assert got == pytest.approx(want, rel=1e-5), f"step {step}"
