@@ -27,14 +27,13 @@ def tp_choices(model: ModelSpec, num_devices: int, node_count: int) -> list[int]
             if num_devices % t == 0 and (num_devices <= node_count or node_count % t == 0) and tp_valid(model, t)]
 
 
-def cp_choices(model: ModelSpec, num_devices: int, node_count: int, tp: int) -> list[int]:
+def cp_choices(num_devices: int, node_count: int, tp: int) -> list[int]:
     """cp degrees for a stage of `num_devices` devices at tp `tp`: tp * cp divides the stage and its groups stay
-    inside nodes of `node_count` (the cp K/V all-gathers are priced on the node's link, as tp's collectives),
-    and the sequence splits into 2 * cp chunks. Dense models only (`ParallelLayout.validate`)."""
+    inside nodes of `node_count` (the cp K/V all-gathers are priced on the node's link, as tp's collectives).
+    What the model allows (the sequence in 2 * cp chunks, dense layers) `ParallelLayout.validate` checks."""
     rest = num_devices // tp
     inside = node_count if num_devices > node_count else num_devices
-    return [c for c in range(1, rest + 1) if rest % c == 0 and inside % (tp * c) == 0
-            and (c == 1 or (model.moe is None and model.seq_length % (2 * c) == 0))]
+    return [c for c in range(1, rest + 1) if rest % c == 0 and inside % (tp * c) == 0]
 
 
 def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None = None) -> bool:
@@ -53,7 +52,7 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
     `offload_zero` as in `offload_allowed`."""
     out = []
     for tp in tp_choices(model, num_devices, node_count):
-        for c in cp_choices(model, num_devices, node_count, tp):
+        for c in cp_choices(num_devices, node_count, tp):
             if cp is not None and c not in cp:
                 continue
             dp = num_devices // (tp * c)

@@ -275,9 +275,9 @@ def _zero3_state(parts: MemoryParts, layout: ParallelLayout) -> tuple[Affine, Af
 
 
 def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
-    """Gradient bytes on the device. With the optimizer on the device, its fp32 buffer (`parts.gb` per
-    parameter; ZeRO 0-2, `_zero3_state` prices ZeRO-3). With the optimizer offloaded, each gradient leaves for the host
-    as soon as autograd has it, so nothing stays. Offloaded parameters add the `.grad` (parameter dtype) of the
+    """Gradient bytes on the device under ZeRO 0-2 (`_zero3_state` prices ZeRO-3). With the optimizer on the
+    device, its fp32 buffer (`parts.gb` per parameter). With the optimizer offloaded, each gradient leaves for
+    the host as soon as autograd has it, so nothing stays. Offloaded parameters add the `.grad` (parameter dtype) of the
     block whose backward runs (handed to the optimizer tier once the block's last gradient is in)."""
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     out = _ZERO

@@ -132,7 +132,7 @@ def groups(cls: DeviceClass, size: int) -> list[Group]:
 def size_fits_batch(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: int) -> bool:
     """Some tp and cp degrees leave a dp that divides the micro-batch."""
     return any(micro_batch_size % (size // (tp * c)) == 0 for tp in tp_choices(job.model, size, cls.node_count)
-               for c in cp_choices(job.model, size, cls.node_count, tp))
+               for c in cp_choices(size, cls.node_count, tp))
 
 
 def micro_batch_sizes(job: JobConfig, options: SearchOptions) -> list[int]:
