@@ -1,5 +1,5 @@
-"""`heteroflow train --emulate` runs a ZeRO-Infinity plan (ZeRO-3 with parameters and optimizer state offloaded),
-says which paths run (rank 0's line), and refuses ZeRO 1/2 with offloaded parameters as a plan error (exit 2, no traceback)."""
+"""`heteroflow train --emulate` runs a ZeRO-Infinity plan (ZeRO-3 with parameters and optimizer state offloaded)
+and says which paths run (rank 0's line)."""
 
 from __future__ import annotations
 
@@ -28,16 +28,3 @@ def test_train_runs_zero_infinity(tmp_path, cache_env, write_yaml):
     assert all(r["predicted_step_time_s"] > 0 and r["loss"] > 0 and r["grad_norm"] > 0 for r in records)
     assert not any((tmp_path / "swap").glob("heteroflow-swap-*"))  # swap directories removed at the end
 
-
-def test_zero2_with_offloaded_params_is_a_plan_error(cache_env, write_yaml):
-    job = write_yaml("""
-        cluster: {nodes: [{name: a, device: cpu, count: 2}]}
-        model: {preset: micro-llama}
-        train: {global_batch_size: 4, steps: 1}
-        plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, dp: 2, zero: 2, offload: {optimizer: cpu,
-               params: cpu}}]}
-        """)
-    result = run_heteroflow("train", str(job), "--emulate", env=cache_env)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "plan.stages[0].offload: params: cpu needs zero 3 or 0, got zero 2" in result.stderr
-    assert "Traceback" not in result.stderr
