@@ -25,11 +25,8 @@ keeps the embedding, final norm and head on the device (only the blocks go to SS
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,33 +35,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from heteroflow.testing.versus import (alternate, footer, header, launch, medians, model_args, model_dict,  # noqa: E402
+                                       report)
+
 
 def job_dict(a: argparse.Namespace, swap_dir: str) -> dict:
     """The job both sides train (heteroflow reads it; DeepSpeed takes its model, data and optimizer from it)."""
     return {
         "cluster": {"nodes": [{"name": "host", "device": "cpu", "count": 1}]},
-        "model": {"num_layers": a.layers, "hidden_size": a.hidden, "ffn_hidden_size": a.ffn,
-                  "num_attention_heads": a.heads, "num_kv_heads": a.kv_heads, "vocab_size": a.vocab,
-                  "seq_length": a.seq},
+        "model": model_dict(a),
         "train": {"global_batch_size": a.micro_batches, "micro_batch_size": 1, "precision": "fp32",
                   "steps": a.steps, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 1, "weight_decay": 0.1,
                   "grad_clip": 1.0, "offload_dir": swap_dir},
         "plan": {"micro_batch_size": 1, "stages": [
             {"devices": ["host"], "layers": a.layers, "offload": {"optimizer": "ssd", "params": "ssd"}}]},
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _one_rank_world() -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1")
 
 
 def run_heteroflow(a: argparse.Namespace, work: Path) -> dict:
@@ -77,7 +62,6 @@ def run_heteroflow(a: argparse.Namespace, work: Path) -> dict:
     from heteroflow.runtime.metrics import MetricsWriter, read_step_records
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    _one_rank_world()
     cpu_marks = []  # process CPU seconds (all threads) when each step's record is written
 
     def write_and_mark(self, record, write=MetricsWriter.write):
@@ -99,7 +83,6 @@ def run_heteroflow(a: argparse.Namespace, work: Path) -> dict:
 def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
     """One DeepSpeed ZeRO-3 NVMe run in this process, on heteroflow's model, data and schedule."""
     os.environ["DS_ACCELERATOR"] = "cpu"
-    _one_rank_world()
     import deepspeed
     import torch
 
@@ -175,49 +158,21 @@ def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
 
 def worker_main(kind: str, a: argparse.Namespace) -> None:
     work = Path(a.dir)
-    result = run_heteroflow(a, work) if kind == "heteroflow" else run_deepspeed(a, work)
-    print("RESULT " + json.dumps(result), flush=True)
+    report(run_heteroflow(a, work) if kind == "heteroflow" else run_deepspeed(a, work))
 
 
-def launch(kind: str, a: argparse.Namespace, work: Path) -> dict:
-    """Run one side in a fresh process; returns its result record."""
-    run_dir = work / f"{kind}-{time.monotonic_ns()}"
-    run_dir.mkdir()
-    (run_dir / "data").symlink_to(work / "data", target_is_directory=True)
-    cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(run_dir)] + a.passthrough
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{kind} run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    notes = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("offload ")]
-    result = json.loads(lines[-1][len("RESULT "):])
-    result["notes"] = sorted(set(notes))
+def _inspect(run_dir: Path, output: str) -> dict:
+    """Which offload paths the run logged, and heteroflow swap files it left behind (none expected)."""
     leftovers = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix == ".swp" and "ds-nvme" not in str(p)]
-    result["heteroflow_swap_left"] = len(leftovers)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return result
+    return {"notes": sorted({line for line in output.splitlines() if line.startswith("offload ")}),
+            "heteroflow_swap_left": len(leftovers)}
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=2816)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches of one sequence per step")
-    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
-    p.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
+def _extra(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch / OpenMP threads for both")
-    p.add_argument("--dir", default=None, help="swap / NVMe directory (default: the system temp directory)")
-    p.add_argument("--worker", choices=("heteroflow", "deepspeed"), help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-                     ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq", "micro_batches", "steps")]
-    return a
+
+
+parse_args = model_args(__doc__.splitlines()[0], layers=8, hidden=1024, ffn=2816, heads=16, kv_heads=8, extra=_extra)
 
 
 def main(argv: list[str]) -> None:
@@ -231,48 +186,38 @@ def main(argv: list[str]) -> None:
     (work / "data").mkdir()
     spec = parse_job(job_dict(a, str(work))).model
     n = spec.num_params()
-    load = os.getloadavg()
-    print(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} load average: {load[0]:.2f}, {load[1]:.2f}, "
-          f"{load[2]:.2f} ; {os.cpu_count()} cores, shared machine")
-    print(f"$ python benchmarks/bench_offload_vs_deepspeed.py {' '.join(argv)}".rstrip())
+    header("benchmarks/bench_offload_vs_deepspeed.py", argv)
     print(f"model: {spec.num_layers} Llama blocks, hidden {spec.hidden_size}, ffn {spec.ffn_hidden_size}, heads "
           f"{spec.num_attention_heads}/{spec.num_kv_heads} kv, vocab {spec.vocab_size}: {n / 1e6:.1f} M params "
           f"({4 * n / 2**30:.2f} GiB fp32 weights, {12 * n / 2**30:.2f} GiB fp32 master + moments on SSD)")
     print(f"step: {a.micro_batches} micro-batches x 1 x {spec.seq_length} tokens, fp32, {a.steps} steps per run "
           f"(first = warm-up), {a.rounds} alternating runs per side, {a.threads} threads, disk {work}")
-    times: dict[str, list[float]] = {"heteroflow": [], "deepspeed": []}
-    cpu: dict[str, list[float]] = {"heteroflow": [], "deepspeed": []}
-    losses: dict[str, list[float]] = {}
+
+    def show(r: int, kind: str, result: dict) -> str:
+        extra = (f"paths {result['which']}, device peak {result['peak_device_bytes'] / 2**20:.1f} MiB, swap "
+                 f"files left {result['heteroflow_swap_left']}" if kind == "heteroflow" else
+                 f"{result['optimizer']}, params on NVMe {result['params_on_nvme']}")
+        return (f"round {r + 1} {kind:10s} step s: {' '.join(f'{t:6.2f}' for t in result['step_time_s'])}  CPU s: "
+                f"{' '.join(f'{t:6.2f}' for t in result['cpu_s'])}  ({extra})")
+
     started = time.time()
     try:
-        for r in range(a.rounds):
-            order = ("heteroflow", "deepspeed") if r % 2 == 0 else ("deepspeed", "heteroflow")
-            for kind in order:
-                result = launch(kind, a, work)
-                steps = result["step_time_s"]
-                times[kind] += steps[1:]
-                cpu[kind] += result["cpu_s"]
-                losses.setdefault(kind, result["losses"])
-                extra = (f"paths {result['which']}, device peak {result['peak_device_bytes'] / 2**20:.1f} MiB, swap "
-                         f"files left {result['heteroflow_swap_left']}" if kind == "heteroflow" else
-                         f"{result['optimizer']}, params on NVMe {result['params_on_nvme']}")
-                print(f"round {r + 1} {kind:10s} step s: {' '.join(f'{t:6.2f}' for t in steps)}  CPU s: "
-                      f"{' '.join(f'{t:6.2f}' for t in result['cpu_s'])}  ({extra})", flush=True)
+        results = alternate(("heteroflow", "deepspeed"), a.rounds,
+                            lambda kind: launch(__file__, kind, a, work, ranks=1, threads=a.threads, inspect=_inspect),
+                            show)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"losses heteroflow: {' '.join(f'{x:.6f}' for x in losses['heteroflow'])}")
-    print(f"losses deepspeed:  {' '.join(f'{x:.6f}' for x in losses['deepspeed'])}")
+    med = medians(results, "step_time_s", skip_first=True)
+    med_cpu = medians(results, "cpu_s", skip_first=False)
+    print(f"losses heteroflow: {' '.join(f'{x:.6f}' for x in results['heteroflow'][0]['losses'])}")
+    print(f"losses deepspeed:  {' '.join(f'{x:.6f}' for x in results['deepspeed'][0]['losses'])}")
     print(f"median step time (warm-up steps excluded): heteroflow {med['heteroflow']:.2f} s, "
           f"DeepSpeed ZeRO-3 NVMe {med['deepspeed']:.2f} s")
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     print(f"median CPU seconds per step (all threads; less sensitive to the machine's load): heteroflow "
           f"{med_cpu['heteroflow']:.2f}, DeepSpeed {med_cpu['deepspeed']:.2f} ({med_cpu['heteroflow'] / med_cpu['deepspeed']:.2f}x)")
     ratio = med["heteroflow"] / med["deepspeed"]
     print(f"ratio heteroflow / DeepSpeed: {ratio:.2f}x (goal <= 1.0x: {'met' if ratio <= 1.0 else 'NOT met'})")
-    load = os.getloadavg()
-    print(f"total time {time.time() - started:.0f} s; load average at the end: {load[0]:.2f}, {load[1]:.2f}, "
-          f"{load[2]:.2f}")
+    footer(started)
 
 
 if __name__ == "__main__":

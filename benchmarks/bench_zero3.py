@@ -1,5 +1,6 @@
 """Issue 15 benchmark: step time of heteroflow's ZeRO-3 (FSDP2 per block) vs DeepSpeed ZeRO-3, same model, data
-and machine.
+and machine; with `--offload optimizer-cpu`, ZeRO-3 with the optimizer state on the CPU on both sides
+(heteroflow's ZeRO-Infinity path, `offload.zero3`, vs DeepSpeed's `offload_optimizer: {device: cpu}`).
 
 Both train the same Llama block stack (heteroflow's `StageModel`, the same seed-only initial weights) on the
 same micro-batches (heteroflow's data order over the built-in corpus, each dp rank its share), fp32, AdamW with
@@ -8,25 +9,30 @@ one torch thread per rank:
 
 - heteroflow: `heteroflow.runtime.worker.run_worker` on a one-stage plan `{dp: N, zero: 3}`;
 - DeepSpeed: ZeRO-3 (`DS_ACCELERATOR=cpu`, gloo), its prefetch bounded to a block like heteroflow's window,
-  torch's AdamW handed to `deepspeed.initialize` (the update heteroflow runs too).
+  torch's AdamW handed to `deepspeed.initialize` (the update heteroflow runs too); with the optimizer offloaded,
+  DeepSpeed's own AdamW (DeepSpeedCPUAdam), the kernel heteroflow's CPU tier runs when it builds.
+
+Device bytes per rank: the training state each side keeps in device memory between steps. On this CPU-only
+machine both "devices" are host memory, so it is counted from each side's own placement: heteroflow's measured
+figures (the step record's `memory`, `StageOptimizer.memory_bytes`: parameter shards, gradient shards,
+optimizer state on the device), DeepSpeed's partitioned parameters (`ds_tensor`), and, unless offloaded, its
+fp32 partitions, their gradients and the Adam moments. Peak RSS per rank (everything, both tiers) is printed too.
 
 Each run is a set of fresh processes (one per rank); the runs alternate (heteroflow, DeepSpeed, DeepSpeed,
 heteroflow, ...) so a change in the machine's load hits both. The first step of every run is warm-up and not
 counted. Printed: every step time (rank 0), each side's median, the ratio heteroflow / DeepSpeed (goal <= 1.0),
 and both loss curves (they should agree: same model, data and optimizer).
 
-    python benchmarks/bench_zero3.py [--dp 2] [--layers 4] [--hidden 512] [--steps 4] [--rounds 2]
+    python benchmarks/bench_zero3.py [--dp 2] [--offload none|optimizer-cpu] [--layers 4] [--hidden 512] [--steps 4]
+                                     [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import resource
 import shutil
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,24 +41,31 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from heteroflow.testing.versus import (alternate, footer, header, launch, medians, model_args, model_dict,  # noqa: E402
+                                       report)
+
 
 def job_dict(a: argparse.Namespace) -> dict:
     """The job both sides train (heteroflow reads it; DeepSpeed takes its model, data and optimizer from it)."""
+    stage = {"devices": ["host"], "layers": a.layers, "dp": a.dp, "zero": 3}
+    if a.offload == "optimizer-cpu":
+        stage["offload"] = {"optimizer": "cpu"}
     return {
         "cluster": {"nodes": [{"name": "host", "device": "cpu", "count": a.dp}]},
-        "model": {"num_layers": a.layers, "hidden_size": a.hidden, "ffn_hidden_size": a.ffn,
-                  "num_attention_heads": a.heads, "num_kv_heads": a.kv_heads, "vocab_size": a.vocab,
-                  "seq_length": a.seq},
+        "model": model_dict(a),
         "train": {"global_batch_size": a.dp * a.micro_batches, "micro_batch_size": a.dp, "precision": "fp32",
                   "steps": a.steps, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 1, "weight_decay": 0.1,
                   "grad_clip": 1.0},
-        "plan": {"micro_batch_size": a.dp, "stages": [{"devices": ["host"], "layers": a.layers, "dp": a.dp,
-                                                       "zero": 3}]},
+        "plan": {"micro_batch_size": a.dp, "stages": [stage]},
     }
 
 
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run_heteroflow(a: argparse.Namespace, work: Path) -> dict:
-    """This rank's part of one heteroflow run; rank 0 returns step times and losses."""
+    """This rank's part of one heteroflow run; rank 0 returns step times, losses and device bytes."""
     from heteroflow.config import parse_job
     from heteroflow.runtime.metrics import read_step_records
     from heteroflow.runtime.worker import WorkerArgs, run_worker
@@ -65,7 +78,10 @@ def run_heteroflow(a: argparse.Namespace, work: Path) -> dict:
     if int(os.environ["RANK"]) != 0:
         return {}
     records = read_step_records(metrics)
-    return {"step_time_s": [r["step_time_s"] for r in records], "losses": list(result.losses)}
+    measured = records[-1]["memory"]["ranks"][0]["measured"]
+    return {"step_time_s": [r["step_time_s"] for r in records], "losses": list(result.losses),
+            "device_bytes": measured["params"] + measured["grads"] + measured["optimizer"],
+            "peak_rss_bytes": _peak_rss_bytes()}
 
 
 def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
@@ -90,6 +106,7 @@ def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
     model = build_stage_model(spec, first_layer=0, last_layer=spec.num_layers, is_first=True, is_last=True)
     init_weights(model, seed=train.seed)
     block_numel = sum(p.numel() for p in model.layers["0"].parameters())
+    offloaded = a.offload == "optimizer-cpu"
     config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": a.micro_batches,
         "gradient_clipping": train.grad_clip, "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
@@ -99,14 +116,21 @@ def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
             # up to 1e9 elements live, i.e. this whole model, which would not be ZeRO-3 any more).
             "stage3_max_live_parameters": 2 * block_numel, "stage3_max_reuse_distance": block_numel,
             "stage3_prefetch_bucket_size": block_numel, "stage3_param_persistence_threshold": 0,
+            **({"offload_optimizer": {"device": "cpu", "pin_memory": False}} if offloaded else {}),
         },
     }
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # torch's AdamW, handed over: DeepSpeed's own "AdamW" JIT-builds a fused kernel, and heteroflow runs torch's
-    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if offloaded:  # DeepSpeed's CPU AdamW (DeepSpeedCPUAdam), as heteroflow's CPU tier runs
+        adamw = {"lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps,
+                 "weight_decay": train.weight_decay}
+        config["optimizer"] = {"type": "AdamW", "params": adamw}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    else:  # torch's AdamW, handed over: DeepSpeed's own "AdamW" JIT-builds a fused kernel, and heteroflow runs torch's
+        optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+                                      eps=train.adam_eps)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     data = open_train_data(job, work_dir=str(work / "data"))
     order = SampleOrder(num_samples=data.num_samples, global_batch_size=train.global_batch_size, seed=train.seed,
                         shuffle=True)
@@ -129,67 +153,38 @@ def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
         dist.all_reduce(loss_sum)
         times.append(time.perf_counter() - started)
         losses.append(float(loss_sum) / global_tokens)
-    return {"step_time_s": times, "losses": losses} if rank == 0 else {}
+    return ({"step_time_s": times, "losses": losses, "device_bytes": _deepspeed_device_bytes(engine, model, offloaded),
+             "peak_rss_bytes": _peak_rss_bytes()} if rank == 0 else {})
+
+
+def _deepspeed_device_bytes(engine, model, offloaded: bool) -> int:
+    """DeepSpeed's device-side training state between steps: the partitioned parameters and, unless the optimizer
+    is offloaded, the fp32 partitions with their gradients and the Adam moments."""
+    total = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+    if not offloaded:
+        zero = engine.optimizer
+        for flat in zero.fp32_partitioned_groups_flat:
+            total += flat.numel() * flat.element_size() * (2 if flat.grad is not None else 1)
+        for state in zero.optimizer.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if hasattr(t, "numel") and t.dim())
+    return total
 
 
 def worker_main(kind: str, a: argparse.Namespace) -> None:
     work = Path(a.dir)
     result = run_heteroflow(a, work) if kind == "heteroflow" else run_deepspeed(a, work)
     if result:
-        print("RESULT " + json.dumps(result), flush=True)
+        report(result)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(kind: str, a: argparse.Namespace, work: Path) -> dict:
-    """Run one side on `a.dp` fresh processes; returns rank 0's result record."""
-    run_dir = work / f"{kind}-{time.monotonic_ns()}"
-    run_dir.mkdir()
-    (run_dir / "data").symlink_to(work / "data", target_is_directory=True)
-    cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(run_dir)] + a.passthrough
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(a.dp):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(a.dp), "LOCAL_WORLD_SIZE": str(a.dp)}
-        logs.append(run_dir / f"rank{rank}.log")  # files, not pipes: a full pipe would stall a rank in a collective
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env))
-    for proc in procs:
-        proc.wait(timeout=3600)
-    outputs = [log.read_text() for log in logs]
-    lines = [line for line in outputs[0].splitlines() if line.startswith("RESULT ")]
-    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
-    if failed or not lines:
-        rank = failed[0] if failed else 0
-        raise SystemExit(f"{kind} rank {rank} failed:\n{outputs[rank][-6000:]}")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _extra(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=2, help="ranks (one ZeRO-3 stage over all of them)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--ffn", type=int, default=1408)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches of one sequence per rank and step")
-    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
-    p.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
-    p.add_argument("--dir", default=None, help="scratch directory (default: the system temp directory)")
-    p.add_argument("--worker", choices=("heteroflow", "deepspeed"), help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-                     ("dp", "layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq", "micro_batches", "steps")]
-    return a
+    p.add_argument("--offload", choices=("none", "optimizer-cpu"), default="none",
+                   help="optimizer-cpu: the optimizer state on the CPU on both sides")
+
+
+parse_args = model_args(__doc__.splitlines()[0], layers=4, hidden=512, ffn=1408, heads=8, kv_heads=4, extra=_extra,
+                        passthrough=("dp", "offload"))
 
 
 def main(argv: list[str]) -> None:
@@ -203,38 +198,38 @@ def main(argv: list[str]) -> None:
     (work / "data").mkdir()
     spec = parse_job(job_dict(a)).model
     n = spec.num_params()
-    load = os.getloadavg()
-    print(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} load average: {load[0]:.2f}, {load[1]:.2f}, "
-          f"{load[2]:.2f} ; {os.cpu_count()} cores, shared machine")
-    print(f"$ python benchmarks/bench_zero3.py {' '.join(argv)}".rstrip())
+    header("benchmarks/bench_zero3.py", argv)
+    offload = " with the optimizer state on the CPU" if a.offload == "optimizer-cpu" else ""
     print(f"model: {spec.num_layers} Llama blocks, hidden {spec.hidden_size}, ffn {spec.ffn_hidden_size}, heads "
           f"{spec.num_attention_heads}/{spec.num_kv_heads} kv, vocab {spec.vocab_size}: {n / 1e6:.1f} M params, "
-          f"ZeRO-3 over {a.dp} gloo ranks (1 thread each)")
+          f"ZeRO-3{offload} over {a.dp} gloo ranks (1 thread each)")
     print(f"step: {a.micro_batches} micro-batches x 1 x {spec.seq_length} tokens per rank, fp32, {a.steps} steps per "
           f"run (first = warm-up), {a.rounds} alternating runs per side")
-    times: dict[str, list[float]] = {"heteroflow": [], "deepspeed": []}
-    losses: dict[str, list[float]] = {}
     started = time.time()
     try:
-        for r in range(a.rounds):
-            for kind in (("heteroflow", "deepspeed") if r % 2 == 0 else ("deepspeed", "heteroflow")):
-                result = launch(kind, a, work)
-                times[kind] += result["step_time_s"][1:]
-                losses.setdefault(kind, result["losses"])
-                print(f"round {r + 1} {kind:10s} step s: {' '.join(f'{t:6.2f}' for t in result['step_time_s'])}",
-                      flush=True)
+        results = alternate(("heteroflow", "deepspeed"), a.rounds,
+                            lambda kind: launch(__file__, kind, a, work, ranks=a.dp),
+                            lambda r, kind, res: f"round {r + 1} {kind:10s} step s: "
+                                                 f"{' '.join(f'{t:6.2f}' for t in res['step_time_s'])}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"losses heteroflow: {' '.join(f'{x:.6f}' for x in losses['heteroflow'])}")
-    print(f"losses deepspeed:  {' '.join(f'{x:.6f}' for x in losses['deepspeed'])}")
-    print(f"median step time (warm-up steps excluded): heteroflow {med['heteroflow']:.3f} s, "
-          f"DeepSpeed ZeRO-3 {med['deepspeed']:.3f} s")
+    med = medians(results, "step_time_s", skip_first=True)
+    device = {kind: runs[0]["device_bytes"] for kind, runs in results.items()}
+    rss = medians({kind: [{"rss": [r["peak_rss_bytes"]]} for r in runs] for kind, runs in results.items()}, "rss",
+                  skip_first=False)
+    ds = "DeepSpeed ZeRO-3" + (" offload_optimizer cpu" if a.offload == "optimizer-cpu" else "")
+    print(f"losses heteroflow: {' '.join(f'{x:.6f}' for x in results['heteroflow'][0]['losses'])}")
+    print(f"losses deepspeed:  {' '.join(f'{x:.6f}' for x in results['deepspeed'][0]['losses'])}")
+    print(f"median step time (warm-up steps excluded): heteroflow {med['heteroflow']:.3f} s, {ds} "
+          f"{med['deepspeed']:.3f} s")
     ratio = med["heteroflow"] / med["deepspeed"]
     print(f"ratio heteroflow / DeepSpeed: {ratio:.2f}x (goal <= 1.0x: {'met' if ratio <= 1.0 else 'NOT met'})")
-    load = os.getloadavg()
-    print(f"total time {time.time() - started:.0f} s; load average at the end: {load[0]:.2f}, {load[1]:.2f}, "
-          f"{load[2]:.2f}")
+    print(f"device bytes per rank (training state between steps, rank 0): heteroflow "
+          f"{device['heteroflow'] / 2**20:.2f} MiB, DeepSpeed {device['deepspeed'] / 2**20:.2f} MiB, ratio "
+          f"{device['heteroflow'] / device['deepspeed']:.2f}x")
+    print(f"peak RSS per rank (rank 0, both tiers): heteroflow {rss['heteroflow'] / 2**20:.0f} MiB, DeepSpeed "
+          f"{rss['deepspeed'] / 2**20:.0f} MiB, ratio {rss['heteroflow'] / rss['deepspeed']:.2f}x")
+    footer(started)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_output_paths(Output("-o", args.output), Output("--gantt", args.gantt))
     return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
                         evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
-                        max_micro_batch_size=args.max_micro_batch_size, all_layouts=args.all_layouts,
+                        max_micro_batch_size=args.max_micro_batch_size,
                         calibration_path=args.calibration)
 
 
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --evaluate: price the run as `train --emulate` does it, every rank a local CPU process")
     p.add_argument("--max-micro-batch-size", type=int, metavar="N", help="largest micro-batch size searched")
     p.add_argument("--all-layouts", action="store_true",
-                   help="also search layouts the cost model prices but `train` does not run yet (offload under ZeRO)")
+                   help="accepted for old scripts: the search always covers every layout the cost model prices")
 
     p = add("calibrate", cmd_calibrate,
             "fit the cost model's factors per device type to measured runs (metrics files or a measurements file)")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -50,3 +53,15 @@ def save_tiny_mixtral(path: Path, *, num_experts: int):
             layer.mlp.gate.weight.normal_(0.0, 0.5)
     hf.save_pretrained(path, safe_serialization=True)
     return hf.float().eval()
+
+
+def run_heteroflow(*args: str, env: dict | None = None, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """`python -m heteroflow ARGS` from the repository root, output captured."""
+    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=REPO, env=env)
+
+
+@pytest.fixture
+def cache_env(tmp_path) -> dict:
+    """The environment with heteroflow's cache in this test's directory."""
+    return {**os.environ, "HETEROFLOW_CACHE": str(tmp_path / "cache")}

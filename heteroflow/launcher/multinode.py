@@ -28,7 +28,7 @@ from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
 from heteroflow.launcher.launch import LaunchSpec, TrainingFailed, launch
 from heteroflow.launcher.placement import node_environment, node_ranks, plan_nodes
-from heteroflow.launcher.prepare import (TrainOptions, check_local_devices, check_runnable, search_plan_or_fail,
+from heteroflow.launcher.prepare import (TrainOptions, check_local_devices, search_plan_or_fail,
                                          steps_of, worker_args)
 from heteroflow.launcher.rendezvous import (MEETING_PREFIX, NodeEntry, check_roster, meet, open_store,
                                             parse_endpoint, plan_fingerprint)
@@ -42,10 +42,8 @@ def job_on_nodes(job: JobConfig, keep: list[str]) -> JobConfig:
 
 
 def replan(job: JobConfig, keep: list[str]) -> PlanSpec:
-    """The planner's plan for `job` on the nodes in `keep`; a `UserError` when none fits or it cannot run."""
-    plan = search_plan_or_fail(job_on_nodes(job, keep))
-    check_runnable(plan)
-    return plan
+    """The planner's plan for `job` on the nodes in `keep`; a `UserError` when none fits."""
+    return search_plan_or_fail(job_on_nodes(job, keep))
 
 
 def fingerprint(job: JobConfig, plan: PlanSpec, options: TrainOptions) -> str:

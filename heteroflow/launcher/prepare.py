@@ -16,7 +16,6 @@ from heteroflow.checkpoint.meta import check_model, read_metadata
 from heteroflow.checkpoint.verify import checkpoint_to_resume
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
-from heteroflow.offload.stage_optimizer import check_offload_plan
 from heteroflow.runtime.checkpoint import checkpoint_root
 from heteroflow.runtime.worker import WorkerArgs
 
@@ -63,14 +62,14 @@ def choose_plan(job: JobConfig, plan_path: str | None) -> PlanSpec:
 
 
 def search_plan_or_fail(job: JobConfig) -> PlanSpec:
-    """The planner's best plan for `job` among the layouts this runtime runs (`check_runnable`), or a
+    """The planner's best plan for `job` among the layouts this runtime runs (`RUNTIME_LAYOUTS`), or a
     `UserError` when none fits."""
     try:
         from heteroflow.stagemap import RUNTIME_LAYOUTS, search_plan
     except ImportError:
         raise UserError("`plan: auto` needs the planner, but this build has no planner (heteroflow.stagemap); "
                         "write the plan in the job's `plan:` or pass --plan PLAN.yaml") from None
-    report = search_plan(job, options=RUNTIME_LAYOUTS)  # what check_runnable lets through
+    report = search_plan(job, options=RUNTIME_LAYOUTS)
     if not report.feasible:
         problems = report.estimate.problems if report.estimate is not None else ["no layout fits"]
         raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why:\n"
@@ -119,11 +118,6 @@ def check_local_devices(job: JobConfig, plan: PlanSpec, node_name: str | None = 
     if vendor != "cpu" and len(found) < needed:
         raise UserError(f"the plan needs {needed} {vendor} devices on node {node.name!r} but this machine has "
                         f"{len(found)}; run with --emulate to emulate them as CPU processes")
-
-
-def check_runnable(plan: PlanSpec) -> None:
-    """Refuse what the planner prices but the runtime does not run yet."""
-    check_offload_plan(plan)
 
 
 def prepare_resume(job: JobConfig, *, resume: bool) -> str | None:

@@ -38,11 +38,15 @@ def swap_bytes(job: JobConfig, plan: PlanSpec, *, node: str | None = None) -> in
         chunk = OffloadPolicy.__dataclass_fields__["chunk_numel"].default
         numel = _rank_numel(job, model.named_parameters(), stage.layout.tp)
         per_rank = 0
+        lay = stage.layout
+        shards = lay.replicas if lay.zero >= 3 else lay.dp if lay.zero else 1  # ZeRO-Offload: 1/dp per rank
+        held = -(-numel // shards)
         if off.optimizer == "ssd":  # fp32 master + 2 moments per chunk, each chunk file aligned
-            held = -(-numel // stage.layout.dp) if stage.layout.zero else numel  # ZeRO-Offload: 1/dp per rank
             per_rank += 12 * held + 8192 * (held // chunk + last - first + 2)
-        if off.params == "ssd":  # each block's parameters (this rank's tp shards), aligned
-            block_numel = _rank_numel(job, model.layers.named_parameters(), stage.layout.tp)
+        if off.params == "ssd" and lay.zero >= 3:  # ZeRO-Infinity: this rank's shard of every unit, aligned
+            per_rank += 4 * held + 8192 * (last - first + 3)
+        elif off.params == "ssd":  # each block's parameters (this rank's tp shards), aligned
+            block_numel = _rank_numel(job, model.layers.named_parameters(), lay.tp)
             per_rank += block_numel * next(model.layers.parameters()).element_size() + 8192 * (last - first)
         ranks = sum(1 for ref in stage.device_refs if node is None or ref.node == node)
         total += per_rank * ranks

@@ -11,7 +11,7 @@ from heteroflow.data.builtin import open_train_data
 from heteroflow.launcher.launch import LaunchSpec, launch
 from heteroflow.launcher.multinode import run_node
 from heteroflow.launcher.placement import declared_environment, plan_nodes
-from heteroflow.launcher.prepare import (TrainOptions, cache_dir, calibration_line, check_local_devices, check_runnable,
+from heteroflow.launcher.prepare import (TrainOptions, cache_dir, calibration_line, check_local_devices,
                                          choose_plan, prepare_resume, worker_args)
 from heteroflow.launcher.swap import check_swap_space, sweep_swap
 from heteroflow.models.hf_checkpoint import check_init_from
@@ -23,7 +23,6 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
     `WorkerResult` by plan rank."""
     check_init_from(job)  # config.json and the index only: a bad directory stops here, before the planner
     plan = choose_plan(job, options.plan_path)
-    check_runnable(plan)
     # Open (and for the built-in corpus, write) the data here: bad data is a user error before any launch.
     open_train_data(job, work_dir=cache_dir() / "data")
     resume_note = prepare_resume(job, resume=options.resume)

@@ -26,7 +26,7 @@ from heteroflow.calibrate.runs import load_runs
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
 from heteroflow.launcher.launch import TrainingFailed
-from heteroflow.launcher.prepare import TrainOptions, check_runnable
+from heteroflow.launcher.prepare import TrainOptions
 from heteroflow.launcher.train import train_job
 from heteroflow.stagemap import RUNTIME_LAYOUTS, PlanEstimate, evaluate_plan, search_plan, search_top_plans
 from heteroflow.stagemap.calibration import Calibration, save_calibration
@@ -114,16 +114,13 @@ def tune_job(job: JobConfig, options: TuneOptions) -> TuneResult:
     pool = candidates(job, options)
     if not pool:
         raise UserError("the planner found no plan that fits this cluster; `heteroflow plan` explains why")
-    runnable = [e for e in pool if _refusal(e.plan) == ""]
-    if not runnable:
-        raise UserError(f"none of the planner's best plans runs in this heteroflow: {_refusal(pool[0].plan)}")
     trials = [_run_trial(job, e, f"trial-{k + 1}", f"top {k + 1}", options, work)
-              for k, e in enumerate(runnable[: options.top_k])]
+              for k, e in enumerate(pool[: options.top_k])]
     measured = [t for t in trials if t.measured_s is not None]
     if not measured:
         raise TrainingFailed("no trial measured a step time:\n" + "\n".join(f"{t.name}: {t.error}" for t in trials))
     calibration = _calibrate(job, measured, work)
-    best_plan = _calibrated_best(job, options, calibration, runnable)
+    best_plan = _calibrated_best(job, options, calibration, pool)
     if best_plan is not None and all(t.plan.to_dict() != best_plan.plan.to_dict() for t in trials):
         # measured but not calibrated from: the table shows how well the calibration predicted it
         trials.append(_run_trial(job, best_plan, f"trial-{len(trials) + 1}", "calibrated best", options, work))
@@ -136,15 +133,6 @@ def tune_job(job: JobConfig, options: TuneOptions) -> TuneResult:
 
 def _estimate(job: JobConfig, plan: PlanSpec, options: TuneOptions, calibration: Calibration) -> PlanEstimate:
     return evaluate_plan(job, plan, emulate=options.emulate, calibration=calibration)
-
-
-def _refusal(plan: PlanSpec) -> str:
-    """Why `train` would refuse this plan, or ''."""
-    try:
-        check_runnable(plan)
-    except UserError as error:
-        return str(error)
-    return ""
 
 
 def _run_trial(job: JobConfig, estimate: PlanEstimate, name: str, reason: str, options: TuneOptions,
@@ -191,7 +179,7 @@ def _calibrated_best(job: JobConfig, options: TuneOptions, calibration: Calibrat
         priced = [_estimate(job, e.plan, options, calibration) for e in pool]
         return min(priced, key=lambda e: e.step_time_s, default=None)
     report = search_plan(job, options=RUNTIME_LAYOUTS, calibration=calibration)
-    if report.estimate is None or not report.estimate.feasible or _refusal(report.estimate.plan):
+    if report.estimate is None or not report.estimate.feasible:
         return None
     return report.estimate
 

@@ -80,6 +80,11 @@ class OffloadSpec:
         """Whether anything leaves the device."""
         return (self.optimizer, self.params, self.activations) != ("device", "device", "device")
 
+    @property
+    def moves_state(self) -> bool:
+        """Whether optimizer state or parameters leave the device (activations alone do not)."""
+        return self.optimizer != "device" or self.params != "device"
+
     def to_dict(self) -> dict:
         """Only the tiers that differ from `device`."""
         return {k: getattr(self, k) for k in ("optimizer", "params", "activations") if getattr(self, k) != "device"}
@@ -192,6 +197,13 @@ class ParallelLayout:
             if getattr(self.offload, key) not in tiers:
                 problems.append(LayoutProblem("offload", f"offload.{key} must be one of {', '.join(tiers)}, "
                                               f"got {getattr(self.offload, key)!r}"))
+        # ZeRO 1/2 shard only the optimizer state: offloaded parameters would stay whole on every dp rank, each
+        # rank's tier rewritten with the whole stage after every step. Parameters are sharded and offloaded
+        # together under ZeRO-3 (ZeRO-Infinity; DeepSpeed's offload_param is a ZeRO-3 option too).
+        if self.zero in (1, 2) and self.offload.params != "device":
+            problems.append(LayoutProblem("offload", f"params: {self.offload.params} needs zero 3 or 0, got zero "
+                                          f"{self.zero} (ZeRO 1/2 do not shard parameters); use zero: 3 to shard and "
+                                          "offload them (ZeRO-Infinity), or keep params on the device"))
         return problems
 
     def _expert_problems(self, model: ModelShape) -> list[LayoutProblem]:

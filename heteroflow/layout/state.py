@@ -8,6 +8,12 @@ gradient buffer stays whole on every dp rank (it accumulates every micro-batch's
 reduce-scatter, as Megatron's distributed optimizer keeps it), so ZeRO 2 holds what ZeRO 1 holds.
 
 What the dp reduction sends is that fp32 buffer, whatever the stage computes in (`GRAD_REDUCE_BYTES`).
+
+ZeRO-3 (FSDP2 per block, `models.zero3`) divides everything over the stage's cp x dp replicas. With its state on
+the device the fp32 parameter shard is the master weight (`ZERO3_SHARD_BYTES`); with optimizer state or
+parameters offloaded (ZeRO-Infinity, `offload.zero3`) the shard is kept in the stage's precision in the
+parameter tier and the optimizer tier holds an fp32 master, the moments and an fp32 gradient accumulator
+(`zero3_state_bytes`).
 """
 
 from __future__ import annotations
@@ -52,5 +58,20 @@ def state_bytes(precision: str) -> StateBytes:
 
 
 def optimizer_shards(zero: int, dp: int) -> int:
-    """Over how many ranks a stage's master copy and moments are divided (ZeRO >= 1: the stage's dp)."""
+    """Over how many ranks a stage's master copy and moments are divided (ZeRO >= 1: `dp`, the stage's dp, or its
+    cp x dp replicas under ZeRO-3)."""
     return dp if zero >= 1 else 1
+
+
+ZERO3_SHARD_BYTES = StateBytes(weights=4, grads=4, master=0, moments=8)
+"""ZeRO-3 with its state on the device, per parameter split over cp x dp: the fp32 shard (which is the master
+weight), its fp32 gradient shard and the fp32 Adam moments."""
+
+
+def zero3_state_bytes(precision: str, *, offloaded: bool) -> StateBytes:
+    """Bytes per parameter, each split over cp x dp, of a ZeRO-3 stage computing in `precision`. `offloaded`
+    (optimizer state or parameters leave the device): the shard in `precision` (`weights`, in the parameter
+    tier) and, in the optimizer tier, the fp32 gradient accumulator, master copy and moments."""
+    if not offloaded:
+        return ZERO3_SHARD_BYTES
+    return StateBytes(weights=state_bytes(precision).weights, grads=4, master=4, moments=8)

@@ -26,9 +26,13 @@ gradients of successive micro-batches in the sharded gradient; defaults (`reshar
 `requires_gradient_sync`, `reshard_after_backward` all on) give exactly that, so no manual switching is
 needed. In bf16 / fp16 the gathered weights are in that dtype, so norms, embeddings and the residual stream
 compute in it (as under torchtitan's FSDP2), where ZeRO 0-2 stages keep fp32 weights under autocast: the same
-step, rounded differently. Written here rather than taken from FSDP2: the optimizer (torch's optimizers would see DTensors,
-not the tp-local layout the checkpoints and the global norm are keyed on), the tp sum of partial gradients
-and the tied-embedding exchange across stages, which work on the local shards.
+step, rounded differently. Written here rather than taken from FSDP2: the optimizer (torch's optimizers would
+see DTensors, not the tp-local layout the checkpoints and the global norm are keyed on), the tp sum of partial
+gradients and the tied-embedding exchange across stages, which work on the local shards.
+
+With optimizer state or parameters offloaded (ZeRO-Infinity) the same sharding runs in the stage's precision
+(`shards_on_host` for parameters off the device), with `heteroflow.offload.zero3.Zero3OffloadAdamW` as the
+optimizer.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from heteroflow.layout.shards import counted_once
 from heteroflow.models.shard import ParamShard, set_shard, shard_of
@@ -48,12 +52,17 @@ from heteroflow.optim.adamw import adamw_step
 
 
 def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: str,
-                      param_dtype: torch.dtype | None) -> None:
+                      param_dtype: torch.dtype | None, shards_on_host: bool = False,
+                      swapped: bool = False) -> list[nn.Module]:
     """Apply FSDP2 to a parallelized, initialized `StageModel` in place: one unit per block, one for the
-    embedding and one for the LM head (unless tied on this stage), the root for the rest.
+    embedding and one for the LM head (unless tied on this stage), the root for the rest. Returns the units in
+    the order their forwards start: the root (which encloses the others) first.
 
-    `param_dtype` is what the gathered weights are cast to (None: fp32, as stored); gradients are reduced in
-    fp32 and summed over `dp_group`. Parameters keep their names and `ParamShard` records.
+    `param_dtype` is what the gathered weights are cast to (None: as stored); gradients are reduced in
+    fp32 and summed over `dp_group`. `shards_on_host`: the shards live in host memory between uses (FSDP2's
+    `CPUOffloadPolicy`: copied to the device for each all-gather, gradient shards copied back as reduced), in
+    pinned memory on an accelerator unless `swapped` (the caller frees and reallocates their storage between
+    steps, which pinned memory does not allow). Parameters keep their names and `ParamShard` records.
     """
     shards = {name: shard_of(param) for name, param in model.named_parameters()}
     mesh = DeviceMesh.from_group(dp_group, device_type)
@@ -63,9 +72,10 @@ def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: 
     tied_here = model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
     if not tied_here:  # a parameter shared by two units cannot be sharded twice: then the root holds both
         units = [m for m in (model.embed, *blocks, model.head) if m is not None]
+    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu" and not swapped) if shards_on_host else OffloadPolicy()
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
     for unit, after in zip(units, units[1:]):
         unit.set_modules_to_forward_prefetch([after])
     # Sum over dp (the runtime scales the loss by 1 / global tokens); SUM is also the one op every backend has.
@@ -74,6 +84,7 @@ def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: 
         unit.set_gradient_divide_factor(1.0)
     for name, param in model.named_parameters():  # FSDP2 made new Parameters: the tp records go along
         set_shard(param, shards[name])
+    return [model, *units]
 
 
 def gathered_bytes(model: nn.Module) -> int:
@@ -142,12 +153,21 @@ class Zero3AdamW:
             counted = counted_once(split_over_tp=shard.dim is not None, tp_rank=self.tp_rank, dp_rank=self.dp_rank,
                                    split_over_dp=True, tied_head_copy=name in head_copy)
             self.locals.append(_Local(name, param, shard, start, param.dim() >= 2, counted))
-        self.exp_avg = [torch.zeros_like(p.data) for p in self.locals]
-        self.exp_avg_sq = [torch.zeros_like(p.data) for p in self.locals]
         self.grads: list[torch.Tensor] | None = None
-        self.steps = 0
         self._by_param = {id(p.param): p for p in self.locals}
         self._grad_bytes = 0
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The Adam moments, next to the shards."""
+        self.exp_avg = [torch.zeros_like(p.data) for p in self.locals]
+        self.exp_avg_sq = [torch.zeros_like(p.data) for p in self.locals]
+        self.steps = 0
+
+    def _set_grad(self, p: _Local, values: torch.Tensor) -> None:
+        """Overwrite this rank's gradient shard of `p` (none held: nothing to overwrite)."""
+        if p.param.grad is not None:
+            p.param.grad.to_local().view(-1).copy_(values)
 
     def _local_grad(self, p: _Local) -> torch.Tensor:
         grad = p.param.grad
@@ -165,8 +185,7 @@ class Zero3AdamW:
             if counted_once(split_over_tp=p.shard.dim is not None, tp_rank=self.tp_rank):
                 mine.copy_(self._local_grad(p))
             dist.all_reduce(full, group=group)
-            if p.param.grad is not None:
-                p.param.grad.to_local().view(-1).copy_(p.shard.take(full).reshape(-1)[p.start:p.stop])
+            self._set_grad(p, p.shard.take(full).reshape(-1)[p.start:p.stop])
 
     def grad_of(self, param: nn.Parameter) -> torch.Tensor:
         """This rank's fp32 gradient shard of `param` (a writable view; zeros, not kept, before any backward)."""
@@ -188,15 +207,19 @@ class Zero3AdamW:
         partial = [g for p, g in zip(self.locals, self.grads) if p.shard.partial_grad and g.numel()]
         if partial:  # every tp rank splits these tp-replicated tensors over dp alike: the same elements meet
             flat = torch.cat(partial)
-            dist.all_reduce(flat, group=self.tp_group)
+            self._all_reduce(flat, self.tp_group)
             for g, part in zip(partial, flat.split([g.numel() for g in partial])):
                 g.copy_(part)
+
+    def _all_reduce(self, flat: torch.Tensor, group: ProcessGroup) -> None:
+        """Sum `flat` over `group` in place."""
+        dist.all_reduce(flat, group=group)
 
     @torch.no_grad()
     def grad_sq_norm_share(self) -> torch.Tensor:
         """This rank's part of the global squared gradient norm (each value counted once over the world)."""
         assert self.grads is not None, "call reduce_grads() first"
-        total = torch.zeros((), dtype=torch.float32, device=self.exp_avg[0].device if self.exp_avg else None)
+        total = torch.zeros((), dtype=torch.float32, device=self.grads[0].device if self.grads else None)
         for p, g in zip(self.locals, self.grads):
             if p.counted and g.numel():
                 total += g.pow(2).sum()

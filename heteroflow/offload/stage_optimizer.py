@@ -34,9 +34,8 @@ parameter values (offloaded blocks read back from their tier) and the fp32 maste
 chunk by chunk from the optimizer tier, in the layout-independent format; loading writes them back into
 the tiers. So a run can resume with or without offload, under any plan.
 
-Not run (refused with a `UserError` naming the stage, before launch by `check_offload_plan` and again when
-the optimizer is built): ZeRO together with offloaded parameters (ZeRO 1/2 with params off the device is not
-a layout the planner searches; ZeRO-3 with them is ZeRO-Infinity), and ZeRO-3 with an offloaded optimizer.
+ZeRO 1/2 with offloaded parameters is not a layout (`ParallelLayout.validate`: parameters are sharded and
+offloaded together under ZeRO-3); ZeRO-3 with offloaded state runs as `heteroflow.offload.zero3`.
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from heteroflow.config import PlanSpec, StageSpec
+from heteroflow.config import StageSpec
 from heteroflow.devices import Device
-from heteroflow.errors import UserError
 from heteroflow.layout.shards import counted_once, zero_flat_range
 from heteroflow.models.data_parallel import all_reduce_partial_grads
 from heteroflow.models.llama import StageModel
@@ -64,25 +62,9 @@ _HOST_REDUCE_CHUNK_NUMEL = 1 << 24
 
 
 def offloads_state(stage: StageSpec) -> bool:
-    """Whether the stage's optimizer state or parameters leave the device (then `OffloadedAdamW` runs it)."""
-    return stage.layout.offload.optimizer != "device" or stage.layout.offload.params != "device"
-
-
-def check_offload_plan(plan: PlanSpec) -> None:
-    """Refuse, with the stage named, offload settings the runtime does not run."""
-    for k, stage in enumerate(plan.stages):
-        check_offload_stage(k, stage)
-
-
-def check_offload_stage(k: int, stage: StageSpec) -> None:
-    """Refuse what `check_offload_plan` refuses, for plan stage `k`."""
-    tiers = ", ".join(f"{key}: {tier}" for key, tier in stage.layout.offload.to_dict().items())
-    zero, off = stage.layout.zero, stage.layout.offload
-    if zero and (off.params != "device" or (zero >= 3 and offloads_state(stage))):
-        raise UserError(f"plan.stages[{k}]: zero {zero} together with offload {{{tiers}}} is not run: offloaded "
-                        "parameters are not sharded over dp (ZeRO-1/2 shard the optimizer state only); use zero: 0 "
-                        "on this stage, or keep params on the device (zero 1 or 2 with offload {optimizer: cpu} "
-                        "or {optimizer: ssd} runs)")
+    """Whether the stage's optimizer state or parameters leave the device (then `OffloadedAdamW` runs it, or
+    `offload.zero3.Zero3OffloadAdamW` under ZeRO-3)."""
+    return stage.layout.offload.moves_state
 
 
 class OffloadedAdamW:
@@ -97,7 +79,7 @@ class OffloadedAdamW:
     def __init__(self, model: StageModel, *, policy: OffloadPolicy, device: Device, dp_group: dist.ProcessGroup | None,
                  tp_group: dist.ProcessGroup | None, betas: tuple[float, float], eps: float, weight_decay: float,
                  checkpoint_dirs: list[str] = (), swap_label: str = "", zero: int = 0) -> None:
-        assert zero in (0, 1, 2) and not (zero and policy.params != "device"), "refused by check_offload_stage"
+        assert zero in (0, 1, 2) and not (zero and policy.params != "device"), "ParallelLayout.validate refuses it"
         self.model, self.policy, self.device = model, policy, device
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0

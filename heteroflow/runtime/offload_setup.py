@@ -1,5 +1,6 @@
 """A stage's `offload:` settings turned into offload objects on its ranks: the policy, where swap files go,
-and the stage's `OffloadedAdamW` (the optimizer itself lives in `heteroflow.offload.stage_optimizer`).
+and the stage's `OffloadedAdamW` or, under ZeRO-3, `Zero3OffloadAdamW` (the optimizers live in
+`heteroflow.offload.stage_optimizer` and `heteroflow.offload.zero3`).
 
 The launcher checks the same swap root for room before any worker starts (`heteroflow.launcher.swap`).
 """
@@ -11,7 +12,8 @@ from heteroflow.config import JobConfig, StageSpec
 from heteroflow.devices.facade import Device
 from heteroflow.models.llama import StageModel
 from heteroflow.offload.policy import OffloadPolicy, default_swap_root
-from heteroflow.offload.stage_optimizer import OffloadedAdamW, check_offload_stage
+from heteroflow.offload.stage_optimizer import OffloadedAdamW
+from heteroflow.offload.zero3 import Zero3OffloadAdamW
 
 
 def checkpoint_dirs(job: JobConfig) -> list[str]:
@@ -29,15 +31,25 @@ def stage_policy(job: JobConfig, stage: StageSpec) -> OffloadPolicy:
     return OffloadPolicy.from_stage(stage, cluster=job.cluster, swap_root=swap_root(job))
 
 
-def offloaded_optimizer(model: StageModel, *, job: JobConfig, stage: StageSpec, stage_index: int,
-                        groups: ProcessGroups, device: Device) -> OffloadedAdamW:
-    """The optimizer of this rank of plan stage `stage_index` (refuses what `check_offload_plan` refuses)."""
-    check_offload_stage(stage_index, stage)
+def offloaded_optimizer(model: StageModel, *, job: JobConfig, stage: StageSpec, groups: ProcessGroups,
+                        device: Device) -> OffloadedAdamW:
+    """The optimizer of this rank of a ZeRO 0-2 stage with offloaded optimizer state or parameters."""
     t = job.train
     return OffloadedAdamW(model, policy=stage_policy(job, stage), device=device, dp_group=groups.dp,
                           tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           weight_decay=t.weight_decay, checkpoint_dirs=checkpoint_dirs(job),
                           swap_label=swap_label(groups), zero=stage.layout.zero)
+
+
+def zero3_offloaded_optimizer(model: StageModel, units: list, *, job: JobConfig, stage: StageSpec,
+                              groups: ProcessGroups, device: Device) -> Zero3OffloadAdamW:
+    """The optimizer of this rank of a ZeRO-3 stage with offloaded optimizer state or parameters (ZeRO-Infinity);
+    `units` as `shard_stage_zero3` returned them."""
+    t = job.train
+    return Zero3OffloadAdamW(model, units=units, policy=stage_policy(job, stage), device=device,
+                             dp_group=groups.replicas, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
+                             eps=t.adam_eps, weight_decay=t.weight_decay, checkpoint_dirs=checkpoint_dirs(job),
+                             swap_label=swap_label(groups))
 
 
 def swap_label(groups: ProcessGroups) -> str:

@@ -19,9 +19,10 @@ from heteroflow.models.llama import StageModel, build_stage_model
 from heteroflow.models.parallelize import parallelize_stage
 from heteroflow.models.zero3 import Zero3AdamW, shard_stage_zero3
 from heteroflow.offload.stage_optimizer import OffloadedAdamW, offloads_state
+from heteroflow.offload.zero3 import Zero3OffloadAdamW
 from heteroflow.optim import StageOptimizer
 from heteroflow.runtime.memory import SavedActivationMeter
-from heteroflow.runtime.offload_setup import offloaded_optimizer
+from heteroflow.runtime.offload_setup import offloaded_optimizer, zero3_offloaded_optimizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,8 +39,9 @@ class StageRuntime:
     groups: ProcessGroups
     model: StageModel
     optimizer: StageOptimizer
-    """`OffloadedAdamW` when the stage's plan offloads optimizer state or parameters, `Zero3AdamW` under ZeRO-3,
-    `ExpertDataParallelAdamW` when its experts have a layout of their own, else `DataParallelAdamW`."""
+    """Under ZeRO-3 `Zero3AdamW`, or `Zero3OffloadAdamW` when the stage offloads optimizer state or parameters;
+    otherwise `OffloadedAdamW` when it offloads them, `ExpertDataParallelAdamW` when its experts have a layout of
+    their own, else `DataParallelAdamW`."""
     prev: StageBoundary | None
     """Boundary from the previous stage (None on the first stage)."""
     next: StageBoundary | None
@@ -75,7 +77,7 @@ class StageRuntime:
 
     def offload_report(self) -> dict | None:
         """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
-        return self.optimizer.report() if isinstance(self.optimizer, OffloadedAdamW) else None
+        return self.optimizer.report() if isinstance(self.optimizer, (OffloadedAdamW, Zero3OffloadAdamW)) else None
 
     @property
     def shards_over_cp(self) -> bool:
@@ -113,7 +115,7 @@ class StageRuntime:
 
     def close(self) -> None:
         """Free the offload stores and delete the swap files (idempotent; call also when the step failed)."""
-        if isinstance(self.optimizer, OffloadedAdamW):
+        if isinstance(self.optimizer, (OffloadedAdamW, Zero3OffloadAdamW)):
             self.optimizer.close()
 
 
@@ -145,18 +147,25 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         init_weights(model, seed=job.train.seed)
     t = job.train
     precision = stage.layout.compute_precision(t.precision)
-    if stage.layout.zero == 3 and not offloads_state(stage):
+    dtype = _DTYPES[precision]
+    zero3_offload = stage.layout.zero == 3 and offloads_state(stage)
+    if stage.layout.zero == 3 and not zero3_offload:
         # FSDP2 keeps the fp32 shards as the master weights and gathers them in the stage's precision. It shards
         # over cp x dp (as Megatron's distributed optimizer under cp): its reduce-scatter sums over both at once.
         shard_stage_zero3(model, dp_group=groups.replicas, device_type=device.torch_device.type,
-                          param_dtype=None if precision == "fp32" else _DTYPES[precision])
+                          param_dtype=None if precision == "fp32" else dtype)
     else:
         # The parameters live in the stage's compute dtype (`heteroflow.layout.state_bytes`): the optimizer's fp32
         # master copy starts from these rounded values, as Megatron's does.
-        model.to(_DTYPES[precision])
-    if offloads_state(stage):
-        optimizer: StageOptimizer = offloaded_optimizer(model, job=job, stage=stage, stage_index=k, groups=groups,
-                                                        device=device)
+        model.to(dtype)
+    if zero3_offload:  # ZeRO-Infinity: shards in the stage's dtype, the fp32 master in the optimizer tier
+        units = shard_stage_zero3(model, dp_group=groups.replicas, device_type=device.torch_device.type,
+                                  param_dtype=None, shards_on_host=stage.layout.offload.params != "device",
+                                  swapped=stage.layout.offload.params == "ssd")
+        optimizer: StageOptimizer = zero3_offloaded_optimizer(model, units, job=job, stage=stage, groups=groups,
+                                                              device=device)
+    elif offloads_state(stage):
+        optimizer = offloaded_optimizer(model, job=job, stage=stage, groups=groups, device=device)
     elif stage.layout.zero == 3:
         optimizer = Zero3AdamW(model, dp_group=groups.replicas, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
                                eps=t.adam_eps, weight_decay=t.weight_decay)
@@ -188,7 +197,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
             group = dist.new_group(ends, backend="gloo")
             tied_group = group if k in (0, num_stages - 1) else None
     except BaseException:
-        if isinstance(optimizer, OffloadedAdamW):
+        if isinstance(optimizer, (OffloadedAdamW, Zero3OffloadAdamW)):
             optimizer.close()
         raise
     meter = SavedActivationMeter(device.torch_device)

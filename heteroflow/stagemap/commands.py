@@ -17,18 +17,17 @@ def print_json(data: object) -> None:
 
 def plan_command(*, job_path: str, output: str | None = None, as_json: bool = False, gantt: str | None = None,
                  evaluate: str | None = None, profile_path: str | None = None, emulate: bool = False,
-                 max_micro_batch_size: int | None = None, all_layouts: bool = False,
-                 calibration_path: str | None = None) -> int:
+                 max_micro_batch_size: int | None = None, calibration_path: str | None = None) -> int:
     """Search (or, with `evaluate`, estimate) a plan for a job; print a table or JSON; write files.
 
-    The search covers the layouts `heteroflow train` runs (`RUNTIME_LAYOUTS`), or with `all_layouts` every
-    layout the cost model prices (offload under ZeRO too), for capacity planning. `calibration_path` (default: the job's
+    The search covers every layout the cost model prices, all of which `heteroflow train` runs (`RUNTIME_LAYOUTS`).
+    `calibration_path` (default: the job's
     `cluster.calibration`) scales the cost model's rates with fitted factors.
     """
     from heteroflow.config import load_job, load_plan_file
     from heteroflow.config.catalog import CATALOG
     from heteroflow.stagemap.calibration import load_calibration
-    from heteroflow.stagemap import RUNTIME_LAYOUTS, SearchOptions, evaluate_plan, search_plan
+    from heteroflow.stagemap import RUNTIME_LAYOUTS, evaluate_plan, search_plan
     from heteroflow.stagemap.profile import load_profile
     from heteroflow.stagemap.report import format_estimate, format_report
 
@@ -52,7 +51,7 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
         return 0 if estimate.feasible else 1
     if emulate:
         raise UserError("--emulate prices an explicit plan: use it with --evaluate")
-    options = SearchOptions() if all_layouts else RUNTIME_LAYOUTS
+    options = RUNTIME_LAYOUTS
     if max_micro_batch_size is not None:
         options = replace(options, max_micro_batch_size=max_micro_batch_size)
     report = search_plan(job, profile=profile, options=options, calibration=calibration)

@@ -484,7 +484,8 @@ def _tail(layout: ParallelLayout, dev: DeviceModel, hw: StageHardware, dp_bw: fl
     host_adam = ADAM_BYTES_PER_PARAM / (dev.host_memory_gb_per_s / hw.node_count * 1e9)
     opt_per_param += shard * host_adam
     if off.params == "device":  # every gradient down (reduced over dp on the host), this rank's updated weights up
-        opt_per_param += (gb + shard * wb) / (dev.host_link_gb_per_s * 1e9)
+        down = shard * gb if layout.zero >= 3 else gb  # ZeRO-3's gradient shards leave as the backward makes them
+        opt_per_param += (down + shard * wb) / (dev.host_link_gb_per_s * 1e9)
     if off.optimizer == "ssd":
         read_bw, write_bw = _tier_bandwidth(dev, hw, "ssd")
         opt_per_param += shard * ob * (1 / (read_bw * 1e9) + 1 / (write_bw * 1e9))

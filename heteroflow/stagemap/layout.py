@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from heteroflow.config.model import ModelSpec
 from heteroflow.layout import OffloadSpec, ParallelLayout, tp_valid
 
@@ -18,7 +20,7 @@ OFFLOAD_CHOICES = (
     OffloadSpec(optimizer="ssd", params="ssd", activations="cpu"),
 )
 """Offload combinations searched: parameters leave the device only together with the optimizer state, and
-(with dp > 1) only under ZeRO-3, as in ZeRO-Infinity."""
+(with dp > 1) only under ZeRO-3, as in ZeRO-Infinity (`searched`)."""
 
 
 def tp_choices(model: ModelSpec, num_devices: int, node_count: int) -> list[int]:
@@ -44,43 +46,53 @@ def expert_choices(model: ModelSpec, *, tp: int, num_devices: int, ep: tuple[int
     return out
 
 
+def cp_choices(num_devices: int, node_count: int, tp: int) -> list[int]:
+    """cp degrees for a stage of `num_devices` devices at tp `tp`: tp * cp divides the stage and its groups stay
+    inside nodes of `node_count` (the cp K/V all-gathers are priced on the node's link, as tp's collectives).
+    What the model allows (the sequence in 2 * cp chunks, dense layers) `ParallelLayout.validate` checks."""
+    rest = num_devices // tp
+    inside = node_count if num_devices > node_count else num_devices
+    return [c for c in range(1, rest + 1) if rest % c == 0 and inside % (tp * c) == 0]
+
+
 def offload_allowed(lay: ParallelLayout, *, offload_zero: tuple[int, ...] | None = None) -> bool:
     """Whether `lay` keeps to `offload_zero`, the ZeRO stages allowed when optimizer state or parameters leave
-    the device (None: any). `plan: auto` sets it to what the runtime runs."""
-    moves_state = lay.offload.optimizer != "device" or lay.offload.params != "device"
-    return not (moves_state and offload_zero is not None and lay.zero not in offload_zero)
+    the device (None: any; tests and baselines narrow it)."""
+    return not (lay.offload.moves_state and offload_zero is not None and lay.zero not in offload_zero)
 
 
 def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro_batch_size: int,
                    zero: tuple[int, ...] = (0, 1, 2, 3), recompute: tuple[str, ...] = ("none", "selective", "full"),
                    offload: tuple[OffloadSpec, ...] = OFFLOAD_CHOICES, sp: tuple[bool, ...] = (False, True),
                    offload_zero: tuple[int, ...] | None = None, precision: str | None = None,
-                   ep: tuple[int, ...] | None = None, expert_parallel: bool = True) -> list[ParallelLayout]:
-    """Every layout the planner considers for a stage of `num_devices` devices (cp = 1), each with
-    `precision`; `offload_zero` as in `offload_allowed`; a MoE model's with each of its `expert_choices` (ep in
-    `ep`, when given; none but ep 1 without `expert_parallel`)."""
+                   cp: tuple[int, ...] | None = None, ep: tuple[int, ...] | None = None,
+                   expert_parallel: bool = True) -> list[ParallelLayout]:
+    """Every layout the planner considers for a stage of `num_devices` devices, each with `precision`: tp inside
+    a node, cp over the rest as `cp_choices` allows (only the degrees in `cp`, when given), dp the rest;
+    `offload_zero` as in `offload_allowed`; a MoE model's with each of its `expert_choices` (ep in `ep`, when
+    given; none but ep 1 without `expert_parallel`)."""
     out = []
     for tp in tp_choices(model, num_devices, node_count):
-        dp = num_devices // tp
-        for expert_ep, etp in expert_choices(model, tp=tp, num_devices=num_devices, ep=ep,
-                                             expert_parallel=expert_parallel):
-            for use_sp in sp:
-                for z in zero:
-                    for rc in recompute:
-                        for off in offload:
-                            lay = ParallelLayout(tp=tp, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off,
-                                                 precision=precision, ep=expert_ep, etp=etp)
-                            if (searched(lay, model, micro_batch_size=micro_batch_size)
-                                    and offload_allowed(lay, offload_zero=offload_zero)):
-                                out.append(lay)
+        for c in cp_choices(num_devices, node_count, tp):
+            dp = num_devices // (tp * c)
+            if (cp is not None and c not in cp) or micro_batch_size % dp:
+                continue
+            experts = expert_choices(model, tp=tp, num_devices=num_devices, ep=ep, expert_parallel=expert_parallel)
+            for (expert_ep, etp), use_sp, z, rc, off in itertools.product(experts, sp, zero, recompute, offload):
+                lay = ParallelLayout(tp=tp, cp=c, dp=dp, sp=use_sp, zero=z, recompute=rc, offload=off,
+                                     precision=precision, ep=expert_ep, etp=etp)
+                if searched(lay, model, micro_batch_size=micro_batch_size) and offload_allowed(
+                        lay, offload_zero=offload_zero):
+                    out.append(lay)
     return out
 
 
 def searched(lay: ParallelLayout, model: ModelSpec, *, micro_batch_size: int) -> bool:
     """Whether the planner considers `lay`: a valid layout (`ParallelLayout.validate`) that is not a no-op
-    variant of another (sp needs tp > 1, ZeRO needs dp > 1) and offloads parameters with dp > 1 only under
-    ZeRO-3, as in ZeRO-Infinity."""
-    if (lay.sp and lay.tp == 1) or (lay.zero and lay.dp == 1):
+    variant of another (sp needs tp > 1; ZeRO 1/2 need dp > 1, ZeRO-3 cp x dp > 1) and offloads parameters with
+    dp > 1 only under ZeRO-3, as in ZeRO-Infinity (ZeRO 0 would keep the whole stage's state in every dp rank's
+    tier)."""
+    if (lay.sp and lay.tp == 1) or (lay.zero and (lay.replicas if lay.zero >= 3 else lay.dp) == 1):
         return False
     if lay.offload.params != "device" and lay.dp > 1 and lay.zero != 3:
         return False

@@ -7,10 +7,13 @@ an fp32 gradient buffer 4 bytes, optimizer state 12 bytes (fp32 master copy, Ada
 4 + 4 bytes and 8 bytes of moments (the weights are the master). Everything is divided by tp (kv heads
 replicated when tp exceeds them); ZeRO over the stage's dp divides the optimizer state (stage >= 1,
 `optimizer_shards`). ZeRO-3 keeps what its runtime (`models.zero3`, FSDP2) keeps: per parameter, split over
-dp, the fp32 shard (also the master weight), its fp32 gradient and the fp32 moments (`ZERO3_SHARD_BYTES`);
+cp x dp, the fp32 shard (also the master weight), its fp32 gradient and the fp32 moments (`ZERO3_SHARD_BYTES`);
 gathered in the stage's precision, a window of two units (the running block and the prefetched one; the
 embedding or head when larger), and while a unit's gradients are reduce-scattered, those gradients plus
-their fp32 copy in the reduce-scatter buffer.
+their fp32 copy in the reduce-scatter buffer. ZeRO-3 with optimizer state or parameters offloaded
+(ZeRO-Infinity, `offload.zero3`, `layout.zero3_state_bytes`) keeps the same window; its shard, in the stage's
+precision, stays on the device only with `params: device`; the reduce-scattered gradient shards leave for the
+optimizer tier as produced; master and moments are in the optimizer tier.
 ZeRO 2 keeps the whole gradient buffer, as ZeRO 1 (it accumulates the micro-batches before the dp
 reduce-scatter). Offloading the optimizer moves its state, still divided by dp under ZeRO 1/2
 (ZeRO-Offload), to the offload tier (`offloaded_optimizer_bytes`), and removes the gradient buffer from the
@@ -48,7 +51,7 @@ from heteroflow.layout import ParallelLayout, in_flight
 from heteroflow.layout.shards import (active_ffn_width, embedding_params_per_rank, expert_params_per_rank,
                                       head_params_per_rank, kv_heads_per_rank, layer_params_per_rank)
 from heteroflow.layout.routing import routed_pairs_per_rank
-from heteroflow.layout.state import GRAD_REDUCE_BYTES, optimizer_shards, state_bytes
+from heteroflow.layout.state import GRAD_REDUCE_BYTES, optimizer_shards, state_bytes, zero3_state_bytes
 
 GIB = float(1 << 30)
 RESERVE_GIB = 1.0
@@ -58,13 +61,6 @@ LOGIT_BYTES = 6
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes of one element in each precision: the one table the cost model reads dtype sizes from."""
-
-
-ZERO3_SHARD_BYTES = (4, 4, 8)
-"""ZeRO-3 (`models.zero3`), bytes per parameter split over cp x dp (`ParallelLayout.replicas`): the fp32 parameter
-shard (which is the master weight), its fp32 gradient shard and the fp32 Adam moments."""
-REDUCE_BYTES = GRAD_REDUCE_BYTES
-"""Gradients are reduce-scattered in fp32 under ZeRO-3, whatever the stage computes in."""
 
 
 def dtype_bytes(precision: str) -> int:
@@ -202,6 +198,8 @@ class MemoryParts:
         """A block's parameters one device keeps of state sharded over `dense_ranks` (the routed experts' over
         `expert_ranks`)."""
         return (self.p_layer - self.p_expert) / dense_ranks + self.p_expert / expert_ranks
+    precision: str
+    """What the stage computes in (ZeRO-3 reads its state bytes by it, `zero3_state_bytes`)."""
 
 
 def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precision: str,
@@ -221,7 +219,7 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
                        logits=head,
                        reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob,
-                       p_expert=expert_params_per_rank(model, tp, ep=ep, etp=etp))
+                       p_expert=expert_params_per_rank(model, tp, ep=ep, etp=etp), precision=precision)
 
 
 def memory_model(model: ModelSpec, layout: ParallelLayout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
@@ -233,29 +231,23 @@ def memory_model(model: ModelSpec, layout: ParallelLayout, *, tokens: float, pre
 
 def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel:
     """Apply a layout's ZeRO stage, recompute and offload to the shared pieces."""
-    zero, off = layout.zero, layout.offload
-    dp = layout.replicas if zero >= 3 else layout.dp  # the ranks the sharded state is split over
+    off = layout.offload
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
-    w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
 
     def state(per_param: float, div: int) -> Affine:
         k = per_param / div
         return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
 
-    gradients = _gradients(parts, layout)
-    if off.params != "device":  # the window of fetched blocks; embedding, final norm and head stay resident
-        e1, e2, e3 = _offloaded_ends(parts, zero)
-        weights = Affine(w0 * parts.wb, 0.0, 0.0, e1 * parts.wb, e2 * parts.wb, e3 * parts.wb)
+    if layout.zero >= 3:
+        weights, gradients, optimizer = _zero3_state(parts, layout)
     else:
-        if zero >= 3:
-            k = parts.wb / dp
-            weights = Affine(w0 * parts.wb, parts.wb * parts.layer_share(dp, layout.expert_dp), 0.0,
-                             p_embed * k + w1 * parts.wb, p_head * k + w2 * parts.wb, tied * k)
+        gradients = _gradients(parts, layout)
+        if off.params != "device":  # the window of fetched blocks; embedding, final norm and head stay resident
+            weights = Affine(2 * p_layer * parts.wb, 0.0, 0.0, p_embed * parts.wb, p_head * parts.wb,
+                             tied * parts.wb)
         else:
             weights = state(parts.wb, 1)
-    optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
-    if _runs_zero3(layout):
-        weights, gradients, optimizer = _zero3_state(parts, dp, layout.expert_dp)
+        optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     if off.activations != "device":
         activations = Affine(stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -270,8 +262,13 @@ _ZERO = Affine(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def optimizer_state(parts: MemoryParts, layout: ParallelLayout) -> Affine:
-    """Optimizer state bytes of one device of a stage, wherever they live: 1/dp of the stage's under ZeRO >= 1
-    (also in the offload tier: ZeRO-Offload shards it over dp like the device does)."""
+    """Optimizer state bytes of one device of a stage, wherever they live: 1/dp of the stage's under ZeRO 1/2
+    (also in the offload tier: ZeRO-Offload shards it over dp like the device does; the routed experts' over
+    expert-dp), 1/(cp x dp) under ZeRO-3 (offloaded: an fp32 master copy besides the shard, `zero3_state_bytes`;
+    experts with a layout of their own do not run under ZeRO-3, `ParallelLayout.validate`)."""
+    if layout.zero >= 3:
+        k = zero3_state_bytes(parts.precision, offloaded=layout.offload.moves_state).optimizer / layout.replicas
+        return Affine(0.0, parts.p_layer * k, 0.0, parts.p_embed * k, parts.p_head * k, parts.tied * k)
     k = parts.ob / optimizer_shards(layout.zero, layout.dp)
     per_layer = parts.ob * parts.layer_share(optimizer_shards(layout.zero, layout.dp),
                                              optimizer_shards(layout.zero, layout.expert_dp))
@@ -283,52 +280,41 @@ def offloaded_optimizer_bytes(parts: MemoryParts, layout: ParallelLayout) -> Aff
     return optimizer_state(parts, layout) if layout.offload.optimizer != "device" else _ZERO
 
 
-def _runs_zero3(layout: ParallelLayout) -> bool:
-    """ZeRO-3 with its state on the device: what `models.zero3` runs (offloaded ZeRO-3 is priced, not run)."""
-    return layout.zero >= 3 and layout.offload.params == "device" and layout.offload.optimizer == "device"
-
-
-def _zero3_state(parts: MemoryParts, dp: int, expert_dp: int) -> tuple[Affine, Affine, Affine]:
-    """(weights, gradients, optimizer) of a ZeRO-3 stage that keeps its state on the device (`models.zero3`), its
-    shards over `dp` ranks (the routed experts' over `expert_dp`)."""
+def _zero3_state(parts: MemoryParts, layout: ParallelLayout) -> tuple[Affine, Affine, Affine]:
+    """(weights, gradients, optimizer) on the device of a ZeRO-3 stage: `models.zero3` with its state on the
+    device, `offload.zero3` (ZeRO-Infinity) with optimizer state or parameters in their tiers."""
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     w1, w2 = max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
-    share = parts.layer_share(dp, expert_dp)
+    off = layout.offload
+    per_param = zero3_state_bytes(parts.precision, offloaded=off.moves_state)
 
     def shard(per_param: float) -> Affine:
-        k = per_param / dp
-        return Affine(0.0, share * per_param, 0.0, p_embed * k, p_head * k, tied * k)
+        k = per_param / layout.replicas
+        return Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
 
     def window(units: float, per_param: float) -> Affine:
         return Affine(units * p_layer * per_param, 0.0, 0.0, w1 * per_param, w2 * per_param, 0.0)
 
-    param_b, grad_b, moment_b = ZERO3_SHARD_BYTES
-    weights = Affine(*map(sum, zip(shard(param_b), window(2, parts.wb))))
-    # a unit's gradients come out of its backward in the stage's precision, then fp32 for the reduce-scatter
-    gradients = Affine(*map(sum, zip(shard(grad_b), window(1, parts.wb + REDUCE_BYTES))))
-    return weights, gradients, shard(moment_b)
-
-
-def _offloaded_ends(parts: MemoryParts, zero: int) -> tuple[float, float, float]:
-    """Parameters on the device beyond the two-block window when parameters are offloaded: (first-stage,
-    last-stage, first-and-last correction). The runtime keeps embedding, final norm and head resident, tp
-    shards only; ZeRO-3 (priced, not run with offload) gathers them into the window like a block."""
-    if zero >= 3:
-        return max(0.0, parts.p_embed - parts.p_layer), max(0.0, parts.p_head - parts.p_layer), 0.0
-    return parts.p_embed, parts.p_head, parts.tied
+    resident = shard(per_param.weights if off.params == "device" else 0)
+    weights = Affine(*map(sum, zip(resident, window(2, parts.wb))))
+    # a unit's gradients come out of its backward in the stage's precision, then fp32 for the reduce-scatter;
+    # offloaded, the reduced shard leaves for the optimizer tier at once
+    kept = shard(per_param.grads if not off.moves_state else 0)
+    gradients = Affine(*map(sum, zip(kept, window(1, parts.wb + GRAD_REDUCE_BYTES))))
+    optimizer = _ZERO if off.optimizer != "device" else shard(per_param.optimizer)
+    return weights, gradients, optimizer
 
 
 def _gradients(parts: MemoryParts, layout: ParallelLayout) -> Affine:
-    """Gradient bytes on the device. With the optimizer on the device, its fp32 buffer (`parts.gb` per
-    parameter; divided over dp only by ZeRO 3). With the optimizer offloaded, each gradient leaves for the host
-    as soon as autograd has it, so nothing stays. Offloaded parameters add the `.grad` (parameter dtype) of the
+    """Gradient bytes on the device under ZeRO 0-2 (`_zero3_state` prices ZeRO-3). With the optimizer on the
+    device, its fp32 buffer (`parts.gb` per parameter). With the optimizer offloaded, each gradient leaves for
+    the host as soon as autograd has it, so nothing stays. Offloaded parameters add the `.grad` (parameter dtype) of the
     block whose backward runs (handed to the optimizer tier once the block's last gradient is in)."""
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
     out = _ZERO
     if layout.offload.optimizer == "device":
-        k = parts.gb / (layout.replicas if layout.zero >= 3 else 1)
-        per_layer = parts.gb * (parts.layer_share(layout.replicas, layout.expert_dp) if layout.zero >= 3 else p_layer)
-        out = Affine(0.0, per_layer, 0.0, p_embed * k, p_head * k, tied * k)
+        k = parts.gb
+        out = Affine(0.0, p_layer * k, 0.0, p_embed * k, p_head * k, tied * k)
     if layout.offload.params != "device":
         out = out._replace(const=out.const + p_layer * parts.wb)
     return out
@@ -338,39 +324,30 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
     """`memory_from_parts(parts, layout).total()` without building the components (the planner's hot path;
     a test checks both agree)."""
     zero, off = layout.zero, layout.offload
-    dp = layout.replicas if zero >= 3 else layout.dp  # the ranks the sharded state is split over
     p_layer, p_embed, p_head, tied = parts.p_layer, parts.p_embed, parts.p_head, parts.tied
-    w0, w1, w2 = 2 * p_layer, max(0.0, p_embed - p_layer), max(0.0, p_head - p_layer)
     const = parts.reserve
-    grads = _ZERO if _runs_zero3(layout) else _gradients(parts, layout)
-    const += grads.const
-    per_layer, first, last, both = grads.per_layer, grads.first, grads.last, grads.both
-    if _runs_zero3(layout):
-        state = Affine(*map(sum, zip(*_zero3_state(parts, dp, layout.expert_dp))))
+    if zero >= 3:
+        state = Affine(*map(sum, zip(*_zero3_state(parts, layout))))
         const, per_layer, first, last, both = (const + state.const, state.per_layer, state.first, state.last,
                                                state.both)
-    elif off.params != "device":
-        e1, e2, e3 = _offloaded_ends(parts, zero)
-        const += w0 * parts.wb
-        first += e1 * parts.wb
-        last += e2 * parts.wb
-        both += e3 * parts.wb
     else:
-        k = parts.wb / dp if zero >= 3 else parts.wb
-        if zero >= 3:
-            const += w0 * parts.wb
-            first += w1 * parts.wb
-            last += w2 * parts.wb
-        per_layer += parts.wb * parts.layer_share(dp, layout.expert_dp) if zero >= 3 else p_layer * k
-        first += p_embed * k
-        last += p_head * k
-        both += tied * k
-    if off.optimizer == "device" and not _runs_zero3(layout):
-        k = parts.ob / optimizer_shards(zero, dp)
-        per_layer += parts.ob * parts.layer_share(optimizer_shards(zero, dp), optimizer_shards(zero, layout.expert_dp))
-        first += p_embed * k
-        last += p_head * k
-        both += tied * k
+        grads = _gradients(parts, layout)
+        const += grads.const
+        per_layer, first, last, both = grads.per_layer, grads.first, grads.last, grads.both
+        if off.params != "device":
+            const += 2 * p_layer * parts.wb
+        else:
+            per_layer += p_layer * parts.wb
+        first += p_embed * parts.wb
+        last += p_head * parts.wb
+        both += tied * parts.wb
+        if off.optimizer == "device":
+            k = parts.ob / optimizer_shards(zero, layout.dp)
+            per_layer += parts.ob * parts.layer_share(optimizer_shards(zero, layout.dp),
+                                                      optimizer_shards(zero, layout.expert_dp))
+            first += p_embed * k
+            last += p_head * k
+            both += tied * k
     stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
     in_flight = 0.0
     if off.activations != "device":

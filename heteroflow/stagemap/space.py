@@ -9,9 +9,11 @@
   do classes the plan does not use).
 - A *template* is the ordered list of used classes with their group sizes: the stages of one class are
   contiguous in the pipeline, and the order of the classes is searched.
-- Per stage: layers (any positive split summing to the model's layers) and layout (tp inside a node, dp,
-  sp, ZeRO, recompute, offload; cp = 1; the class's precision; for a MoE model ep and etp, so stages may
-  differ in ep); per plan: micro-batch size (dividing the global batch) and schedule.
+- Per stage: layers (any positive split summing to the model's layers) and layout (tp inside a node, cp
+  with tp x cp inside a node, dp the rest; sp, ZeRO 0-3, recompute, offload of optimizer state, parameters and
+  activations, ZeRO-3 with offload (ZeRO-Infinity) included; the class's precision; for a MoE model ep and etp,
+  so stages may differ in ep); per plan: micro-batch size (dividing the global batch) and schedule. Every layout
+  the planner prices is run by `heteroflow train`.
 
 Precision (`stage_precisions`): `train.precision` is pinned on every device type that can train in it;
 only a device type that cannot (Ascend 910A has no bf16) gets another precision, the fastest plan among
@@ -28,7 +30,7 @@ from heteroflow.config.cluster import DeviceRef
 from heteroflow.config.job import JobConfig
 from heteroflow.layout import OffloadSpec
 from heteroflow.stagemap.hardware import Hardware
-from heteroflow.stagemap.layout import OFFLOAD_CHOICES, search_layouts, tp_choices
+from heteroflow.stagemap.layout import OFFLOAD_CHOICES, cp_choices, search_layouts, tp_choices
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +47,8 @@ class SearchOptions:
     offload_zero: tuple[int, ...] | None = None
     """ZeRO stages allowed for a layout whose optimizer state or parameters leave the device (None: any in `zero`)."""
     sp: tuple[bool, ...] = (False, True)
+    cp: tuple[int, ...] | None = None
+    """cp degrees searched (None: every one `layout.cp_choices` allows)."""
     device_types: tuple[str, ...] | None = None
     """Only these device types (None: all)."""
     expert_parallel: bool = True
@@ -55,12 +59,10 @@ class SearchOptions:
     """Also consider the megatron_uniform plan (which may fall outside the template space)."""
 
 
-RUNTIME_LAYOUTS = SearchOptions(zero=(0, 1, 2, 3), offload_zero=(0, 1, 2))
-"""The layouts `heteroflow train` runs: ZeRO 0-3 and every offload tier (parameters with any tp), with optimizer
-state off the device under ZeRO 0, 1 and 2 (ZeRO 1/2: ZeRO-Offload) and parameters off it under ZeRO 0 only
-(`layout.searched`: with dp > 1 the planner offloads them only under ZeRO-3, not run); a MoE model's ep and etp
-per stage within the layout check's rules.
-`heteroflow plan` and `plan: auto` search these; `heteroflow plan --all-layouts` the whole priced space."""
+RUNTIME_LAYOUTS = SearchOptions()
+"""The layouts `heteroflow train` runs: the whole space the planner prices (ZeRO 0-3, cp, every offload tier,
+ZeRO-3 with offload as ZeRO-Infinity, a MoE model's ep and etp per stage). `heteroflow plan`, `plan: auto` and
+`tune` search it."""
 
 @dataclass(frozen=True, slots=True)
 class DeviceClass:
@@ -134,8 +136,9 @@ def groups(cls: DeviceClass, size: int) -> list[Group]:
 
 
 def size_fits_batch(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: int) -> bool:
-    """Some tp degree leaves a dp that divides the micro-batch."""
-    return any(micro_batch_size % (size // tp) == 0 for tp in tp_choices(job.model, size, cls.node_count))
+    """Some tp and cp degrees leave a dp that divides the micro-batch."""
+    return any(micro_batch_size % (size // (tp * c)) == 0 for tp in tp_choices(job.model, size, cls.node_count)
+               for c in cp_choices(size, cls.node_count, tp))
 
 
 def micro_batch_sizes(job: JobConfig, options: SearchOptions) -> list[int]:
@@ -177,4 +180,4 @@ def layouts_for(job: JobConfig, cls: DeviceClass, size: int, micro_batch_size: i
     return search_layouts(job.model, num_devices=size, node_count=cls.node_count, micro_batch_size=micro_batch_size,
                           zero=options.zero, recompute=options.recompute, offload=options.offload, sp=options.sp,
                           offload_zero=options.offload_zero, precision=layout_precision(job, cls.precision),
-                          ep=options.ep, expert_parallel=options.expert_parallel)
+                          cp=options.cp, ep=options.ep, expert_parallel=options.expert_parallel)

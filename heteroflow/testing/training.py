@@ -25,3 +25,19 @@ def assemble_weights(results) -> dict[str, torch.Tensor]:
         for name, (local, shard) in result.state.items():
             shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
     return full
+
+
+def check_against_reference(results, ref_losses, ref_weights: dict[str, torch.Tensor], *, loss_rel: float = 1e-5,
+                            weight_tol: float = 1e-4) -> None:
+    """Assert that a run's losses (rank 0's) are the one-device reference's within `loss_rel` relative and fall,
+    and that its assembled weights are the reference's (a head tied to the embedding across stages equals it)."""
+    losses = results[0].losses
+    assert len(losses) == len(ref_losses) and losses[-1] < losses[0], losses
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want) <= loss_rel * abs(want), f"step {step}: loss {got} vs reference {want}"
+    weights = assemble_weights(results)
+    if "head.weight" in weights and "head.weight" not in ref_weights:
+        torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
+    assert weights.keys() == ref_weights.keys()
+    for name, want in ref_weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=weight_tol, atol=weight_tol, msg=name)

@@ -84,7 +84,7 @@ def test_train_with_offload_tiers_checkpoints_and_leaves_no_swap_files(tmp_path,
     assert list((tmp_path / "swap").iterdir()) == []  # the ranks made their directories there and removed them
 
 
-def test_train_refuses_offload_settings_it_does_not_run(env_cache, write_yaml):
+def test_train_refuses_zero_1_2_with_offloaded_params_as_a_plan_error(env_cache, write_yaml):
     job = write_yaml("""
         cluster: {nodes: [{name: a, device: cpu, count: 2}]}
         model: {preset: micro-llama}
@@ -93,4 +93,5 @@ def test_train_refuses_offload_settings_it_does_not_run(env_cache, write_yaml):
         """)
     result = heteroflow("train", str(job), "--emulate", env_cache=env_cache)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "plan.stages[0]: zero 1 together with offload {params: cpu} is not run" in result.stderr
+    assert ("plan.stages[0].offload: params: cpu needs zero 3 or 0, got zero 1 (ZeRO 1/2 do not shard parameters)"
+            in result.stderr)

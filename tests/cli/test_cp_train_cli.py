@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO
+from conftest import run_heteroflow
 from heteroflow.runtime.metrics import read_step_records
 
 
-def heteroflow(*args: str, env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "heteroflow", *args], capture_output=True, text=True, timeout=600,
-                          cwd=REPO, env=env)
-
-
-@pytest.fixture
-def env(tmp_path):
-    import os
-    return {**os.environ, "HETEROFLOW_CACHE": str(tmp_path / "cache")}
-
-
 @pytest.mark.slow
-def test_train_runs_a_cp2_stage_next_to_a_cp1_stage(tmp_path, env, write_yaml):
+def test_train_runs_a_cp2_stage_next_to_a_cp1_stage(tmp_path, cache_env, write_yaml):
     job = write_yaml("""
         cluster: {nodes: [{name: a, device: cpu, count: 3}]}
         model: {preset: micro-llama}
@@ -31,7 +17,7 @@ def test_train_runs_a_cp2_stage_next_to_a_cp1_stage(tmp_path, env, write_yaml):
         plan: {micro_batch_size: 2, stages: [{devices: ["a:0-1"], layers: 2, cp: 2}, {devices: ["a:2-2"], layers: 2}]}
         """)
     metrics = tmp_path / "metrics.jsonl"
-    result = heteroflow("train", str(job), "--emulate", "--metrics", str(metrics), env=env)
+    result = run_heteroflow("train", str(job), "--emulate", "--metrics", str(metrics), env=cache_env)
     assert result.returncode == 0, result.stdout + result.stderr
     records = read_step_records(metrics)
     assert [r["step"] for r in records] == [0, 1]
@@ -39,7 +25,7 @@ def test_train_runs_a_cp2_stage_next_to_a_cp1_stage(tmp_path, env, write_yaml):
 
 
 @pytest.mark.slow
-def test_train_runs_cp2_dp2_with_zero3(tmp_path, env, write_yaml):
+def test_train_runs_cp2_dp2_with_zero3(tmp_path, cache_env, write_yaml):
     job = write_yaml("""
         cluster: {nodes: [{name: a, device: cpu, count: 4}]}
         model: {preset: micro-llama}
@@ -47,7 +33,7 @@ def test_train_runs_cp2_dp2_with_zero3(tmp_path, env, write_yaml):
         plan: {micro_batch_size: 2, stages: [{devices: [a], layers: 4, cp: 2, dp: 2, zero: 3}]}
         """)
     metrics = tmp_path / "metrics.jsonl"
-    result = heteroflow("train", str(job), "--emulate", "--steps", "2", "--metrics", str(metrics), env=env)
+    result = run_heteroflow("train", str(job), "--emulate", "--steps", "2", "--metrics", str(metrics), env=cache_env)
     assert result.returncode == 0, result.stdout + result.stderr
     records = read_step_records(metrics)
     assert [r["step"] for r in records] == [0, 1]

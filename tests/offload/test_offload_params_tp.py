@@ -252,15 +252,13 @@ def test_params_on_ssd_tp2_checkpoint_resumes_without_offload(runs, tmp_path):
 # ---- pure logic: what train accepts, what plan: auto picks, what the planner and the launcher count --------
 
 
-def test_train_accepts_params_offload_with_tp():
-    from heteroflow.launcher.prepare import check_runnable
-
+def test_plans_offload_params_with_tp():
     for name in ("cpu-tp2-sp", "ssd-tp2", "cpu-dp2-tp2", "cpu-tp4-kv"):
-        check_runnable(_job(name, swap_root=Path(".")).plan)
+        (stage,) = [s for s in _job(name, swap_root=Path(".")).plan.stages if s.layout.offload.params != "device"]
+        assert stage.layout.tp > 1
 
 
 def test_plan_auto_offloads_tp_shards_of_parameters_when_nothing_else_fits():
-    from heteroflow.launcher.prepare import check_runnable
     from heteroflow.stagemap import RUNTIME_LAYOUTS, search_plan
     from heteroflow.stagemap.layout import OFFLOAD_CHOICES
 
@@ -279,7 +277,6 @@ def test_plan_auto_offloads_tp_shards_of_parameters_when_nothing_else_fits():
     plan = report.estimate.plan
     (stage,) = plan.stages
     assert stage.layout.tp == 2 and stage.layout.offload.params == "cpu"
-    check_runnable(plan)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -10,7 +10,7 @@ from heteroflow.config import parse_job
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.testing import run_ranks
-from heteroflow.testing.training import assemble_weights, train_rank
+from heteroflow.testing.training import assemble_weights, check_against_reference, train_rank
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 2},
@@ -46,16 +46,7 @@ def test_zero3_plan_matches_single_process(tmp_path, plan, tie):
     job_data = {"cluster": CLUSTER, "model": {**MODEL, "tie_embeddings": tie}, "train": TRAIN}
     ref_losses, ref_weights = train_reference(parse_job(job_data), steps=STEPS, data_dir=data_dir)
     results = _run(job_data, plan, steps=STEPS, data_dir=data_dir)
-    losses = results[0].losses
-    assert len(losses) == STEPS and losses[-1] < losses[0]
-    for got, want in zip(losses, ref_losses):
-        assert got == pytest.approx(want, rel=1e-5)
-    weights = assemble_weights(results)
-    if "head.weight" in weights and "head.weight" not in ref_weights:
-        torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
-    assert weights.keys() == ref_weights.keys()
-    for name, want in ref_weights.items():
-        torch.testing.assert_close(weights[name], want, rtol=1e-4, atol=1e-4, msg=name)
+    check_against_reference(results, ref_losses, ref_weights)
 
 
 ZERO1 = {"micro_batch_size": 4, "stages": [

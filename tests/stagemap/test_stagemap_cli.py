@@ -114,17 +114,15 @@ def test_emulated_estimate_prices_this_machine():
     assert data["emulate"] is True and data["step_time_s"] > 0.01  # CPU processes: orders slower than GPUs
 
 
-def test_plan_proposes_what_train_runs_and_all_layouts_may_do_better(tmp_path):
-    from heteroflow.launcher.prepare import check_runnable
-
+def test_plan_searches_every_priced_layout_and_train_runs_it(tmp_path):
     job_path = REPO / "configs" / "jobs" / "llama3-70b-three-vendor.yaml"
     runnable = heteroflow("plan", str(job_path), "--json", "-o", str(tmp_path / "plan.yaml"))
-    everything = heteroflow("plan", str(job_path), "--json", "--all-layouts")
-    assert runnable.returncode == 0 and everything.returncode == 0, runnable.stderr + everything.stderr
-    ours, priced = json.loads(runnable.stdout), json.loads(everything.stdout)
-    check_runnable(load_plan_file(tmp_path / "plan.yaml", load_job(job_path)))  # `train --plan` takes it as is
+    alias = heteroflow("plan", str(job_path), "--json", "--all-layouts")  # kept for old scripts: the same search
+    assert runnable.returncode == 0 and alias.returncode == 0, runnable.stderr + alias.stderr
+    ours, same = json.loads(runnable.stdout), json.loads(alias.stdout)
+    load_plan_file(tmp_path / "plan.yaml", load_job(job_path))  # `train --plan` takes it as is (a bad plan raises)
     # ZeRO-3 is proposed where it pays: on the DCU job (on this one, since the 910B's 4-chip slices reach each
     # other over 3 of their 7 HCCS links, ZeRO-1 with the optimizer on the host is as fast).
     dcu = heteroflow("plan", str(QWEN), "--json")
     assert any(stage.get("zero", 0) == 3 for stage in json.loads(dcu.stdout)["stages"])
-    assert priced["tokens_per_s"] >= ours["tokens_per_s"]
+    assert same["tokens_per_s"] == ours["tokens_per_s"] and same["stages"] == ours["stages"]
