@@ -191,6 +191,8 @@ class MemoryParts:
     wb: int
     gb: int
     ob: int
+    precision: str
+    """What the stage computes in (ZeRO-3 reads its state bytes by it, `zero3_state_bytes`)."""
     p_expert: float = 0.0
     """The routed experts' part of `p_layer`: their ZeRO shards and gradient reduction span the expert-dp group."""
 
@@ -198,8 +200,6 @@ class MemoryParts:
         """A block's parameters one device keeps of state sharded over `dense_ranks` (the routed experts' over
         `expert_ranks`)."""
         return (self.p_layer - self.p_expert) / dense_ranks + self.p_expert / expert_ranks
-    precision: str
-    """What the stage computes in (ZeRO-3 reads its state bytes by it, `zero3_state_bytes`)."""
 
 
 def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precision: str,

@@ -357,8 +357,6 @@ def test_plan_auto_offloads_when_nothing_else_fits_and_the_runtime_accepts_it():
 
 @pytest.mark.parametrize("num_devices,node_count", [(1, 1), (2, 2), (4, 4), (8, 4)])
 def test_every_layout_plan_auto_searches_is_run(num_devices, node_count):
-    from heteroflow.config import PlanSpec, StageSpec
-    from heteroflow.config.cluster import DeviceRef
     from heteroflow.stagemap import RUNTIME_LAYOUTS
     from heteroflow.stagemap.layout import search_layouts
 

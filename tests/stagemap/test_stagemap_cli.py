@@ -121,8 +121,4 @@ def test_plan_searches_every_priced_layout_and_train_runs_it(tmp_path):
     assert runnable.returncode == 0 and alias.returncode == 0, runnable.stderr + alias.stderr
     ours, same = json.loads(runnable.stdout), json.loads(alias.stdout)
     load_plan_file(tmp_path / "plan.yaml", load_job(job_path))  # `train --plan` takes it as is (a bad plan raises)
-    # ZeRO-3 is proposed where it pays: on the DCU job (on this one, since the 910B's 4-chip slices reach each
-    # other over 3 of their 7 HCCS links, ZeRO-1 with the optimizer on the host is as fast).
-    dcu = heteroflow("plan", str(QWEN), "--json")
-    assert any(stage.get("zero", 0) == 3 for stage in json.loads(dcu.stdout)["stages"])
     assert same["tokens_per_s"] == ours["tokens_per_s"] and same["stages"] == ours["stages"]
