@@ -66,10 +66,14 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.group, ctx.out_splits, ctx.in_splits), None, None, None
 
 
+ALLTOALL = "alltoall"
+"""The `PartTimer` part the token all-to-alls are timed as (the planner's `alltoall_s`)."""
+
+
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with _timed(group):
+    with _timed(group, ALLTOALL):
         dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
     return out
 

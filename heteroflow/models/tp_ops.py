@@ -47,9 +47,10 @@ def timing_collectives(group: ProcessGroup | None, timer: Any) -> Iterator[None]
         del _TIMERS[key]
 
 
-def _timed(group: ProcessGroup) -> contextlib.AbstractContextManager:
+def _timed(group: ProcessGroup, part: str = COLLECTIVE) -> contextlib.AbstractContextManager:
+    """Time a collective on `group` as `part` of the timer installed for it (nothing when none is)."""
     entry = _TIMERS.get(id(group))
-    return entry[1].part(COLLECTIVE) if entry is not None else contextlib.nullcontext()
+    return entry[1].part(part) if entry is not None else contextlib.nullcontext()
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

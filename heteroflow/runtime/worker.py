@@ -156,6 +156,7 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     records: list[dict] = []  # rank 0: what it wrote, for the stage table at the end
     timer = PartTimer(device.new_event)
     tp_group = groups.tp if rt.stage.layout.tp > 1 else None
+    ep_group = groups.ep if groups.ep is not None and groups.ep is not tp_group else None
     device_types = [stage.device_type for stage in plan.stages]
     stage_of_rank = [k for k, stage in enumerate(plan.stages) for _ in range(stage.num_devices)]  # RankMap's order
     where = f"stage {info.stage}, dp {info.dp} cp {info.cp} tp {info.tp}, node {info.node}"
@@ -177,7 +178,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                                                 split_sequence(labels, cp=cp, cp_rank=info.cp)))
             scale = scaler.scale if scaler is not None else 1.0
             set_aux_loss_scale(rt.model, step_tokens=global_tokens, grad_scale=scale)
-            with timing_collectives(tp_group, timer):
+            # the ep group's all-to-alls are timed as `alltoall` (when ep shares the tp group, by its timer)
+            with timing_collectives(tp_group, timer), timing_collectives(ep_group, timer):
                 loss_sum = run_pipeline_step(rt, micro_batches, global_tokens=global_tokens, loss_scale=scale,
                                              timer=timer)
             inject_grad_fault(rt.model, rank, step, rt.optimizer.grad_of)

@@ -36,6 +36,8 @@ def test_train_emulated_moe_job_with_ep_per_stage(tmp_path, write_yaml):
     assert result.returncode == 0, result.stdout + result.stderr
     records = read_step_records(metrics)
     assert [r["step"] for r in records] == [0, 1] and all(r["aux_loss"] > 0 for r in records)
+    for stage in records[-1]["stages"]:  # each stage's all-to-alls are timed and priced as their own part
+        assert stage["measured"]["alltoall_s"] > 0 and stage["predicted"]["alltoall_s"] > 0, stage
 
 
 def test_train_refuses_zero3_with_ep(tmp_path, write_yaml):
