@@ -18,11 +18,11 @@ counts over them, so each rank's value is its part of the micro-batch's loss: th
 one device computes, and each part's gradient is exact. With `aux_loss_type: sequence` the same loss is taken
 over each sequence and averaged over the micro-batch's sequences (Megatron's seq_aux_loss); the cp ranks holding
 chunks of one sequence pool its counts (`Router.sequence_pool`). The router z-loss (ST-MoE) is the mean over the
-micro-batch's tokens of logsumexp(logits)^2, each rank's part its tokens' share. Neither enters the returned hidden states: an
-autograd function adds its gradient, coeff times its weight in the step (`set_aux_loss_scale`), in the
-backward pass (coeff: aux_loss_coeff and z_loss_coeff), as Megatron-core's MoEAuxLossAutoScaler does, so the
-pipeline's backward needs nothing extra and the reported `loss` stays the language-model cross entropy. The
-load-balancing loss's value (not the z-loss's) is recorded in backward (which
+micro-batch's tokens of logsumexp(logits)^2, each rank's part its tokens' share. Neither enters the returned
+hidden states: an autograd function adds their gradient, coeff (aux_loss_coeff, z_loss_coeff) times the
+micro-batch's weight in the step (`set_aux_loss_scale`), in the backward pass, as Megatron-core's
+MoEAuxLossAutoScaler does, so the pipeline's backward needs nothing extra and the reported `loss` stays the
+language-model cross entropy. The load-balancing loss's value (not the z-loss's) is recorded in backward (which
 runs once per micro-batch, also under recompute) for `take_aux_losses`.
 """
 

@@ -62,7 +62,8 @@ def test_moe_errors_name_their_path(moe, line):
 
 
 def test_gelu_experts_follow_the_model_activation():
-    spec = parse_job(job({"preset": "micro-llama", "activation": "gelu", "moe": {**MOE, "shared_expert_ffn_hidden_size": 64}})).model
+    moe = {**MOE, "shared_expert_ffn_hidden_size": 64}
+    spec = parse_job(job({"preset": "micro-llama", "activation": "gelu", "moe": moe})).model
     h = spec.hidden_size
     assert spec.ffn_params(0) == 8 * 2 * h * 128 + 2 * h * 64 + 8 * h  # fc1 / fc2 per expert and shared expert
     assert spec.ffn_params(0, active=True) == 2 * 2 * h * 128 + 2 * h * 64 + 8 * h
