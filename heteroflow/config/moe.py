@@ -46,6 +46,10 @@ class MoESpec:
     z_loss_coeff: float = 0.0
     """Weight of the router z-loss (ST-MoE, Megatron's --moe-z-loss-coeff): the mean over the micro-batch's
     tokens of logsumexp(router logits)^2, per MoE layer; 0 turns it off."""
+    sinkhorn: bool = False
+    """Choose each token's top-k experts by Sinkhorn-balanced scores over the micro-batch (S-BASE, Megatron's
+    sinkhorn load balancing); the weights are then the chosen experts' sigmoid scores for top_k 1, their softmax
+    probabilities otherwise, unnormalised (needs score_function softmax, normalize_top_k false, no aux loss)."""
     topk_scaling_factor: float = 1.0
     """Multiplies the top-k routing weights after their normalisation (Megatron's
     --moe-router-topk-scaling-factor)."""
@@ -90,6 +94,7 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
         "aux_loss_coeff": sec.number("aux_loss_coeff", default("aux_loss_coeff", 0.0), minimum=0.0, maximum=1e3),
         "aux_loss_type": sec.string("aux_loss_type", default("aux_loss_type", "batch"), choices=AUX_LOSS_TYPES),
         "z_loss_coeff": sec.number("z_loss_coeff", default("z_loss_coeff", 0.0), minimum=0.0, maximum=1e3),
+        "sinkhorn": sec.boolean("sinkhorn", default("sinkhorn", False)),
         "topk_scaling_factor": sec.number("topk_scaling_factor", default("topk_scaling_factor", 1.0),
                                           positive=True, maximum=1e3),
         "capacity_factor": sec.number("capacity_factor", default("capacity_factor", None), positive=True,
@@ -102,6 +107,7 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
                                                         "score_function", "normalize_top_k", "layer_freq",
                                                         "first_dense_layers", "aux_loss_coeff", "load_imbalance",
                                                         "aux_loss_type", "z_loss_coeff", "topk_scaling_factor",
+                                                        "sinkhorn",
                                                         "shared_expert_ffn_hidden_size", "shared_expert_gate")):
         return None
     spec = MoESpec(**fields)
@@ -110,4 +116,11 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
         problems.add(f"{path}.top_k", f"{spec.top_k} is more than num_experts {spec.num_experts}")
     if spec.shared_expert_gate and not spec.shared_expert_ffn_hidden_size:
         problems.add(f"{path}.shared_expert_gate", "needs a shared expert; set shared_expert_ffn_hidden_size")
+    if spec.sinkhorn:
+        for name, allowed in (("score_function", "softmax"), ("normalize_top_k", False), ("aux_loss_coeff", 0.0),
+                              ("topk_scaling_factor", 1.0)):
+            if getattr(spec, name) != allowed:
+                shown = str(allowed).lower() if isinstance(allowed, bool) else allowed
+                problems.add(f"{path}.{name}", f"sinkhorn routing weighs the chosen experts by their sigmoid (top_k 1) "
+                             f"or softmax scores as they are; set {name}: {shown}")
     return spec if len(problems.items) == before else None

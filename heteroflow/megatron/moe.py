@@ -84,7 +84,8 @@ def map_moe(ctx: Context, num_layers: int, ffn_hidden_size: int, tp: int, swiglu
         ctx.mark("moe_ffn_hidden_size", "mapped", f"model.moe.ffn_hidden_size = {width}")
     shared, gate = _shared_expert(ctx)
     first_dense, freq = _layer_pattern(ctx, num_layers)
-    score, normalize, factor = _router(ctx, top_k)
+    sinkhorn = _balancing_types(ctx) == ["sinkhorn"]  # Megatron routes by Sinkhorn only when it is the one type
+    score, normalize, factor = _router(ctx, top_k, sinkhorn)
     coeff, aux_type = _load_balancing(ctx, top_k)
     z_coeff = _z_loss(ctx)
     capacity = _capacity(ctx, tp)
@@ -96,7 +97,7 @@ def map_moe(ctx: Context, num_layers: int, ffn_hidden_size: int, tp: int, swiglu
     return {"num_experts": num_experts, "top_k": top_k, "ffn_hidden_size": width, "score_function": score,
             "normalize_top_k": normalize, "shared_expert_ffn_hidden_size": shared, "shared_expert_gate": gate,
             "first_dense_layers": first_dense, "layer_freq": freq, "aux_loss_coeff": coeff,
-            "aux_loss_type": aux_type, "z_loss_coeff": z_coeff, "topk_scaling_factor": factor,
+            "aux_loss_type": aux_type, "z_loss_coeff": z_coeff, "topk_scaling_factor": factor, "sinkhorn": sinkhorn,
             "capacity_factor": capacity}
 
 
@@ -149,8 +150,15 @@ def _layer_pattern(ctx: Context, num_layers: int) -> tuple[int | None, int]:
     return first, step
 
 
-def _router(ctx: Context, top_k: object) -> tuple[str | None, bool, float]:
+def _router(ctx: Context, top_k: object, sinkhorn: bool) -> tuple[str | None, bool, float]:
     """The score function, whether the top-k weights are normalised, and their scaling factor."""
+    if sinkhorn:
+        why = ("Megatron's sinkhorn routing weighs the chosen experts by sigmoid (top-k 1) or softmax scores, "
+               "unnormalised and unscaled, whatever it says: model.moe.sinkhorn = true")
+        for dest in ("moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor"):
+            ctx.mark(dest, "ignored", why)
+        _router_dtype(ctx)
+        return "softmax", False, 1.0
     score = ctx.get("moe_router_score_function")
     pre = bool(ctx.get("moe_router_pre_softmax"))
     if score == "sqrtsoftplus":
@@ -224,13 +232,20 @@ def _load_balancing(ctx: Context, top_k: object) -> tuple[float | None, str]:
     pairs = list(zip(kinds, coeffs))
     coeff, kind_used = 0.0, "batch"
     for kind, value in pairs:
+        if kind == "sinkhorn" and len(kinds) == 1:
+            if value:
+                ctx.error("Sinkhorn routing does not support aux loss. (Megatron: --moe-aux-loss-coeff must be 0 with "
+                          "--moe-router-load-balancing-type sinkhorn)")
+                return None, "batch"
+            continue
         if kind in ("sinkhorn", "quantile_balancing", "global_aux_loss") and (kind != "global_aux_loss" or value):
-            what = {"sinkhorn": "Sinkhorn-balanced routing (S-BASE)",
+            what = {"sinkhorn": "Sinkhorn routing listed with other load-balancing types (Megatron routes by "
+                                "Sinkhorn only when it is the one type)",
                     "quantile_balancing": "quantile-balancing routing (a learnt per-expert bias)",
                     "global_aux_loss": "the global-batch load-balancing loss"}[kind]
             _block(ctx, "moe_router_load_balancing_type", f"{what} ({kind})",
                    "heteroflow's MoE balances with the micro-batch or per-sequence aux loss (aux_loss, "
-                   "seq_aux_loss) or none")
+                   "seq_aux_loss), Sinkhorn routing (sinkhorn alone) or none")
             ctx.mark("moe_aux_loss_coeff", "unsupported", f"a coefficient of {what}, which heteroflow lacks")
             return None, "batch"
         if kind in ("aux_loss", "seq_aux_loss") and value:
@@ -249,6 +264,13 @@ def _load_balancing(ctx: Context, top_k: object) -> tuple[float | None, str]:
                   "Megatron's aux loss divides the assignment counts by tokens * top_k, heteroflow's (Hugging "
                   "Face's) by tokens, so the gradient is the same; the aux_loss figure heteroflow reports is "
                   f"{top_k} x Megatron's")
+    elif kinds == ["sinkhorn"]:
+        detail = ("model.moe.sinkhorn = true: the top-k chosen by Sinkhorn-balanced scores (S-BASE); approximated: "
+                  "heteroflow balances over the micro-batch (pooled over dp, cp and sp ranks, as one device), Megatron "
+                  "over each rank's tokens")
+        ctx.mark("moe_router_load_balancing_type", "approximated", detail)
+        ctx.mark("moe_aux_loss_coeff", "mapped", "0: Sinkhorn routing trains no aux loss")
+        return ours, kind_used
     else:
         detail = "model.moe.aux_loss_coeff = 0: no load-balancing loss"
     ctx.mark_or_default("moe_router_load_balancing_type", "mapped", detail)

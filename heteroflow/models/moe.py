@@ -94,6 +94,26 @@ def sequence_load_balancing_loss(probs_BSE: torch.Tensor, indices_BSK: torch.Ten
     return per_sequence / (total / seq_length), total
 
 
+def sinkhorn(logits_TE: torch.Tensor, pool: Pool | None = None, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-balanced scores d1_e * exp(logit_te) * d0_t (S-BASE; megatron-core's `sinkhorn`): the token and
+    expert factors are iterated until the expert factors change by less than `tol` on average. With `pool`, the
+    sums over tokens are the micro-batch's, so every rank iterates alike and chooses as one device would."""
+    cost = torch.exp(logits_TE.float())
+    tokens = torch.tensor([cost.shape[0]], dtype=torch.float32, device=cost.device)
+    total = pool(tokens) if pool is not None else tokens
+    eps = 1e-8
+    d0 = torch.ones(cost.shape[0], device=cost.device)
+    d1 = torch.ones(cost.shape[1], device=cost.device)
+    error = math.inf
+    while error > tol:
+        d0 = 1 / total / (torch.sum(d1 * cost, 1) + eps)
+        column = torch.sum(d0[:, None] * cost, 0)
+        updated = 1 / cost.shape[1] / ((pool(column) if pool is not None else column) + eps)
+        error = torch.mean(torch.abs(d1 - updated)).item()
+        d1 = updated
+    return d1 * cost * d0[:, None]
+
+
 def sort_by_expert(indices_TK: torch.Tensor, num_experts: int,
                    capacity: int | None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The (token, slot) assignments an expert takes, grouped by expert (ascending) and in token order inside a
@@ -122,6 +142,7 @@ class Router(nn.Module):
         self.sigmoid = moe.score_function == "sigmoid"
         self.normalize = moe.normalize_top_k or self.sigmoid  # sigmoid scores do not sum to one
         self.per_sequence = moe.aux_loss_type == "sequence"
+        self.sinkhorn = moe.sinkhorn
         self.pool: Pool | None = None
         """Sums the load-balancing statistics over the micro-batch's ranks (None: this rank holds it all)."""
         self.sequence_pool: Pool | None = None
@@ -131,7 +152,12 @@ class Router(nn.Module):
         """Route `x_TH`, `num_sequences` sequences of equal length one after another (for the sequence loss)."""
         logits = F.linear(x_TH, self.weight).float()
         scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
-        weights, indices = torch.topk(scores, self.top_k, dim=-1)
+        if self.sinkhorn:
+            with torch.no_grad():  # the choice only: the weights are the scores below
+                indices = torch.topk(sinkhorn(logits, self.pool), self.top_k, dim=-1).indices
+            weights = (torch.sigmoid(logits) if self.top_k == 1 else scores).gather(1, indices)
+        else:
+            weights, indices = torch.topk(scores, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scaling != 1.0:

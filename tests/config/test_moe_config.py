@@ -73,6 +73,8 @@ def test_gelu_experts_follow_the_model_activation():
     ({**MOE, "aux_loss_type": "global"}, "model.moe.aux_loss_type: must be one of batch, sequence; got 'global'"),
     ({**MOE, "z_loss_coeff": -1e-3}, "model.moe.z_loss_coeff: must be"),
     ({**MOE, "topk_scaling_factor": 0}, "model.moe.topk_scaling_factor: must be above 0"),
+    ({**MOE, "sinkhorn": True}, "model.moe.normalize_top_k: sinkhorn routing weighs the chosen experts"),
+    ({**MOE, "sinkhorn": True, "normalize_top_k": False, "aux_loss_coeff": 0.01}, "model.moe.aux_loss_coeff: sinkhorn"),
 ])
 def test_router_option_errors_name_their_path(moe, line):
     found = problems(job({"preset": "micro-llama", "moe": moe}))

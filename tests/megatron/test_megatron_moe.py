@@ -39,7 +39,8 @@ def test_megatron_defaults(tmp_path):
     assert moe == {"num_experts": 8, "top_k": 2, "ffn_hidden_size": ffn, "score_function": "softmax",
                    "normalize_top_k": True, "shared_expert_ffn_hidden_size": 0, "shared_expert_gate": False,
                    "first_dense_layers": 0, "layer_freq": 1, "aux_loss_coeff": 0.0, "aux_loss_type": "batch",
-                   "z_loss_coeff": 0.0, "topk_scaling_factor": 1.0, "capacity_factor": None}
+                   "z_loss_coeff": 0.0, "topk_scaling_factor": 1.0, "sinkhorn": False,
+                   "capacity_factor": None}
     assert result.job.model.moe is not None  # the job validates with its experts
     assert entry(result, "--moe-ffn-hidden-size").origin == "default"
     assert entry(result, "--num-experts").disposition == "mapped"
@@ -118,7 +119,8 @@ def test_load_balancing_types_heteroflow_has(tmp_path, args, coeff):
 
 
 @pytest.mark.parametrize("args, words", [
-    ("--moe-router-load-balancing-type sinkhorn", "Sinkhorn-balanced routing (S-BASE) (sinkhorn)"),
+    ("--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 1e-2",
+     "Sinkhorn routing listed with other load-balancing types"),
     ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-3", "global-batch load-balancing"),
     ("--moe-router-load-balancing-type quantile_balancing", "quantile-balancing routing"),
 ])
@@ -195,6 +197,19 @@ def test_router_options_are_mapped(tmp_path, args, fields):
     assert not result.report.blockers
     moe = result.job_dict["model"]["moe"]
     assert {key: moe[key] for key in fields} == fields
+
+
+def test_sinkhorn_routing_is_mapped_with_megatrons_weights(tmp_path):
+    result = import_args(tmp_path, f"{MOE} --moe-router-topk 1 --moe-router-load-balancing-type sinkhorn "
+                                   "--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2")
+    assert not result.report.blockers
+    moe = result.job_dict["model"]["moe"]
+    assert (moe["sinkhorn"], moe["score_function"], moe["normalize_top_k"], moe["topk_scaling_factor"],
+            moe["aux_loss_coeff"]) == (True, "softmax", False, 1.0, 0.0)
+    assert entry(result, "--moe-router-load-balancing-type").disposition == "approximated"
+    assert entry(result, "--moe-router-topk-scaling-factor").disposition == "ignored"
+    assert "Sinkhorn routing does not support aux loss" in _rule_error(
+        tmp_path, "--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 1e-2")
 
 
 def test_both_aux_losses_are_refused_by_name(tmp_path):

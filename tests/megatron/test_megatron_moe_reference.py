@@ -118,3 +118,20 @@ def test_imported_topk_scaling_factor_scales_as_megatron(tmp_path, args, pre_sof
     routing = router(logits)
     ours = torch.zeros(NUM_TOKENS, NUM_EXPERTS).scatter(1, routing.indices_TK, routing.weights_TK)
     torch.testing.assert_close(ours, probs.float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_imported_sinkhorn_routing_chooses_as_megatron_core(tmp_path, top_k):
+    """Megatron's `sinkhorn_load_balancing` in training: the top-k of `sinkhorn(logits)`, weighted by the chosen
+    experts' sigmoid (top-k 1) or softmax scores."""
+    moe, router, logits = _router_and_logits(tmp_path, f"--moe-router-topk {top_k} --moe-router-pre-softmax "
+                                                       "--moe-router-load-balancing-type sinkhorn")
+    assert moe.sinkhorn
+    logits = logits * 3  # sharper scores: the balancing changes many tokens' first choice
+    chosen = torch.topk(moe_utils.sinkhorn(logits), top_k, dim=1).indices
+    scores = torch.sigmoid(logits) if top_k == 1 else torch.softmax(logits, dim=-1)
+    megatron = torch.zeros_like(logits).scatter(1, chosen, scores.gather(1, chosen))
+    routing = router(logits)
+    ours = torch.zeros(NUM_TOKENS, NUM_EXPERTS).scatter(1, routing.indices_TK, routing.weights_TK)
+    torch.testing.assert_close(ours, megatron, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(routing.indices_TK, torch.topk(logits, top_k, dim=1).indices)  # not the plain top-k

@@ -1,7 +1,7 @@
 """A GELU-expert MoE (Megatron's non-gated experts and shared expert) with the per-sequence load-balancing loss,
-the router z-loss and a top-k scaling factor trains on a 2-stage emulated plan with ep 2 on both stages (dp 2 on
-one, cp 2 on the other: the statistics pooled over dp and over the cp chunks of each sequence) as the
-single-process reference does, over 3 steps."""
+the router z-loss and a top-k scaling factor, or with Sinkhorn routing (its balancing pooled likewise), trains on
+a 2-stage emulated plan with ep 2 on both stages (dp 2 on one, cp 2 on the other: the statistics pooled over dp
+and over the cp chunks of each sequence) as the single-process reference does, over 3 steps."""
 
 from __future__ import annotations
 
@@ -25,15 +25,20 @@ PLAN = {"schedule": "1f1b", "micro_batch_size": 4, "stages": [
     {"devices": ["npu-0"], "layers": 2, "tp": 1, "cp": 2, "dp": 1, "ep": 2}]}
 
 
+SINKHORN = {"num_experts": 4, "top_k": 1, "ffn_hidden_size": 32, "sinkhorn": True, "normalize_top_k": False,
+            "z_loss_coeff": 0.01}
+
+
 @pytest.mark.slow
-def test_gelu_experts_with_sequence_aux_and_z_loss_under_ep_match_single_process(tmp_path):
+@pytest.mark.parametrize("moe", [MOE, SINKHORN], ids=["sequence-aux-loss", "sinkhorn"])
+def test_gelu_experts_with_megatron_routing_options_under_ep_match_single_process(tmp_path, moe):
     data_dir = str(tmp_path / "data")
-    job = parse_job({"cluster": CLUSTER, "model": MODEL, "train": TRAIN, "plan": PLAN})
-    assert job.model.moe.aux_loss_type == "sequence" and job.model.activation == "gelu"
+    job = parse_job({"cluster": CLUSTER, "model": {**MODEL, "moe": moe}, "train": TRAIN, "plan": PLAN})
+    assert job.model.activation == "gelu"
     ref_losses, ref_weights = train_reference(job, steps=STEPS, data_dir=data_dir)
     assert "layers.0.mlp.experts.0.w3.weight" not in ref_weights  # fc1 / fc2 only
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=STEPS, data_dir=data_dir, return_state=True,
                       show_progress=False, timeout_s=120)
     results = run_training(args, timeout_s=300)
-    # the router's weights included: the sequence aux loss and z-loss gradients are the one-device ones
+    # the router's weights included: the sequence aux loss, z-loss and routing choices are the one-device ones
     check_against_reference(results, ref_losses, ref_weights)
