@@ -15,7 +15,9 @@ heteroflow's (`models/moe.py`):
 - seq_aux_loss: the same per sequence, averaged over the micro-batch (`aux_loss_type: sequence`); the z-loss
   and the top-k scaling factor map one to one.
 - The experts use the model's MLP: SwiGLU with --swiglu, else fc1 / fc2 with GELU.
-What heteroflow's MoE does not model (expert bias, group-limited routing, Sinkhorn, ...) blocks the import
+- sinkhorn (given alone): `sinkhorn: true`, approximated: Megatron balances each rank's tokens, heteroflow the
+  micro-batch's (what one device would), with Megatron's weights (sigmoid for top-k 1, else softmax, as they are).
+What heteroflow's MoE does not model (expert bias, group-limited routing, quantile balancing, ...) blocks the import
 by name with what to change.
 """
 
