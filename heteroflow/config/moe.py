@@ -117,10 +117,11 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
     if spec.shared_expert_gate and not spec.shared_expert_ffn_hidden_size:
         problems.add(f"{path}.shared_expert_gate", "needs a shared expert; set shared_expert_ffn_hidden_size")
     if spec.sinkhorn:
-        for name, allowed in (("score_function", "softmax"), ("normalize_top_k", False), ("aux_loss_coeff", 0.0),
-                              ("topk_scaling_factor", 1.0)):
+        weights = "sinkhorn routing weighs the chosen experts by their sigmoid (top_k 1) or softmax scores as they are"
+        for name, allowed, shown, why in (
+                ("score_function", "softmax", "softmax", weights), ("normalize_top_k", False, "false", weights),
+                ("topk_scaling_factor", 1.0, "1", weights),
+                ("aux_loss_coeff", 0.0, "0", "sinkhorn routing balances without a load-balancing loss")):
             if getattr(spec, name) != allowed:
-                shown = str(allowed).lower() if isinstance(allowed, bool) else allowed
-                problems.add(f"{path}.{name}", f"sinkhorn routing weighs the chosen experts by their sigmoid (top_k 1) "
-                             f"or softmax scores as they are; set {name}: {shown}")
+                problems.add(f"{path}.{name}", f"{why}; set {name}: {shown}")
     return spec if len(problems.items) == before else None
