@@ -23,13 +23,9 @@ import torch
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--sequences", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=10)
+    for flag, default in (("hidden", 512), ("ffn", 1024), ("experts", 8), ("top-k", 2), ("tokens", 4096),
+                          ("sequences", 4), ("samples", 10)):
+        parser.add_argument(f"--{flag}", type=int, default=default)
     args = parser.parse_args()
 
     from heteroflow.config import PRESETS
