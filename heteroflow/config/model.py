@@ -8,6 +8,7 @@ from heteroflow.config import limits
 from heteroflow.config.moe import MoESpec, parse_moe
 from heteroflow.config.reader import REQUIRED, Problems, Section
 from heteroflow.errors import did_you_mean
+from heteroflow.layout.shards import mlp_matrices
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMALIZATIONS = ("rmsnorm", "layernorm")
@@ -79,12 +80,12 @@ class ModelSpec:
         """Parameters of layer `layer`'s FFN: all of them, or with `active` those one token uses (top-k
         routed experts, the shared expert and the router)."""
         h, moe = self.hidden_size, self.moe
-        matrices = 3 if self.activation == "swiglu" else 2
+        matrices = mlp_matrices(self)
         if not self.is_moe_layer(layer):
             return matrices * h * self.ffn_hidden_size
         experts = moe.top_k if active else moe.num_experts
-        shared = 3 * h * moe.shared_expert_ffn_hidden_size + (h if moe.shared_expert_gate else 0)
-        return experts * 3 * h * moe.ffn_hidden_size + shared + moe.num_experts * h
+        shared = matrices * h * moe.shared_expert_ffn_hidden_size + (h if moe.shared_expert_gate else 0)
+        return experts * matrices * h * moe.ffn_hidden_size + shared + moe.num_experts * h
 
     def to_dict(self) -> dict:
         """Plain data, every field written out (`moe` as a mapping, or None)."""
@@ -184,6 +185,4 @@ def check_model(spec: ModelSpec, problems: Problems, path: str = "model") -> boo
     if spec.num_attention_heads % spec.num_kv_heads:
         problems.add(f"{path}.num_kv_heads", f"num_attention_heads {spec.num_attention_heads} is not "
                      f"divisible by num_kv_heads {spec.num_kv_heads}")
-    if spec.moe is not None and spec.activation != "swiglu":
-        problems.add(f"{path}.moe", f"experts are SwiGLU; set activation: swiglu (got {spec.activation})")
     return len(problems.items) == before

@@ -8,6 +8,7 @@ from heteroflow.config import limits
 from heteroflow.config.reader import REQUIRED, Problems, Section
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+AUX_LOSS_TYPES = ("batch", "sequence")
 NUM_EXPERTS = limits.integers(1, 1 << 16)
 """`model.moe.num_experts` (published models have up to a few hundred)."""
 DEFAULT_LOAD_IMBALANCE = 1.1
@@ -24,7 +25,7 @@ class MoESpec:
     top_k: int
     """Experts each token is sent to."""
     ffn_hidden_size: int
-    """Inner width of one routed expert (SwiGLU, per branch)."""
+    """Inner width of one routed expert (per branch under SwiGLU; experts use `model.activation`)."""
     score_function: str = "softmax"
     """softmax over all experts, or sigmoid per expert (then the top-k weights are always normalised)."""
     normalize_top_k: bool = True
@@ -39,6 +40,19 @@ class MoESpec:
     """Among the others, layer i is MoE when i % layer_freq == 0 (Megatron's --moe-layer-freq)."""
     aux_loss_coeff: float = 0.0
     """Weight of the load-balancing loss (Switch / Hugging Face form) added per MoE layer; 0 turns it off."""
+    aux_loss_type: str = "batch"
+    """batch: the load-balancing loss over the micro-batch's tokens; sequence: over each sequence's tokens,
+    averaged over the micro-batch's sequences (Megatron's seq_aux_loss, DeepSeek-V2/V3)."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE, Megatron's --moe-z-loss-coeff): the mean over the micro-batch's
+    tokens of logsumexp(router logits)^2, per MoE layer; 0 turns it off."""
+    sinkhorn: bool = False
+    """Choose each token's top-k experts by Sinkhorn-balanced scores over the micro-batch (S-BASE, Megatron's
+    sinkhorn load balancing); the weights are then the chosen experts' sigmoid scores for top_k 1, their softmax
+    probabilities otherwise, unnormalised (needs score_function softmax, normalize_top_k false, no aux loss)."""
+    topk_scaling_factor: float = 1.0
+    """Multiplies the top-k routing weights after their normalisation (Megatron's
+    --moe-router-topk-scaling-factor)."""
     capacity_factor: float | None = None
     """None is dropless; otherwise each expert takes at most ceil(factor * tokens * top_k / num_experts)
     tokens per micro-batch share, in token order, and drops the rest (they pass through the residual)."""
@@ -78,6 +92,11 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
                                           maximum=limits.NUM_LAYERS.maximum),
         "layer_freq": sec.integer("layer_freq", default("layer_freq", 1), limit=limits.NUM_LAYERS),
         "aux_loss_coeff": sec.number("aux_loss_coeff", default("aux_loss_coeff", 0.0), minimum=0.0, maximum=1e3),
+        "aux_loss_type": sec.string("aux_loss_type", default("aux_loss_type", "batch"), choices=AUX_LOSS_TYPES),
+        "z_loss_coeff": sec.number("z_loss_coeff", default("z_loss_coeff", 0.0), minimum=0.0, maximum=1e3),
+        "sinkhorn": sec.boolean("sinkhorn", default("sinkhorn", False)),
+        "topk_scaling_factor": sec.number("topk_scaling_factor", default("topk_scaling_factor", 1.0),
+                                          positive=True, maximum=1e3),
         "capacity_factor": sec.number("capacity_factor", default("capacity_factor", None), positive=True,
                                       maximum=1e3),
         "load_imbalance": sec.number("load_imbalance", default("load_imbalance", DEFAULT_LOAD_IMBALANCE),
@@ -87,6 +106,8 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
     if not sec.valid or any(fields[n] is None for n in ("num_experts", "top_k", "ffn_hidden_size",
                                                         "score_function", "normalize_top_k", "layer_freq",
                                                         "first_dense_layers", "aux_loss_coeff", "load_imbalance",
+                                                        "aux_loss_type", "z_loss_coeff", "topk_scaling_factor",
+                                                        "sinkhorn",
                                                         "shared_expert_ffn_hidden_size", "shared_expert_gate")):
         return None
     spec = MoESpec(**fields)
@@ -95,4 +116,12 @@ def parse_moe(data: object, problems: Problems, path: str, base: dict | None) ->
         problems.add(f"{path}.top_k", f"{spec.top_k} is more than num_experts {spec.num_experts}")
     if spec.shared_expert_gate and not spec.shared_expert_ffn_hidden_size:
         problems.add(f"{path}.shared_expert_gate", "needs a shared expert; set shared_expert_ffn_hidden_size")
+    if spec.sinkhorn:
+        weights = "sinkhorn routing weighs the chosen experts by their sigmoid (top_k 1) or softmax scores as they are"
+        for name, allowed, shown, why in (
+                ("score_function", "softmax", "softmax", weights), ("normalize_top_k", False, "false", weights),
+                ("topk_scaling_factor", 1.0, "1", weights),
+                ("aux_loss_coeff", 0.0, "0", "sinkhorn routing balances without a load-balancing loss")):
+            if getattr(spec, name) != allowed:
+                problems.add(f"{path}.{name}", f"{why}; set {name}: {shown}")
     return spec if len(problems.items) == before else None

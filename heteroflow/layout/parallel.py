@@ -30,6 +30,7 @@ class MoEShape(Protocol):
     shared_expert_gate: bool
     capacity_factor: float | None
     load_imbalance: float
+    aux_loss_type: str
 
 
 class ModelShape(Protocol):
@@ -231,6 +232,10 @@ class ParallelLayout:
             problems.append(LayoutProblem("ep", "experts with a layout of their own (ep > 1 or etp != tp) run with "
                                           "ZeRO 0-2 and without optimizer or parameter offload; set ep: 1 and leave "
                                           "etp out, or change zero / offload"))
+        if moe.aux_loss_type == "sequence" and self.sp and self.tp > 1:
+            problems.append(LayoutProblem("sp", "the sequence load-balancing loss (model.moe.aux_loss_type: sequence) "
+                                          "runs without sp: its per-sequence counts are pooled over cp only; set "
+                                          "sp: false or aux_loss_type: batch"))
         if moe.ffn_hidden_size % self.expert_tp:
             problems.append(LayoutProblem("etp" if self.etp is not None else "tp", f"expert tensor parallelism "
                                           f"{self.expert_tp} does not divide model.moe.ffn_hidden_size "

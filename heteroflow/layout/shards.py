@@ -49,17 +49,20 @@ def active_ffn_width(model: ModelShape) -> int:
 
 
 def routed_expert_params_per_rank(model: ModelShape, *, ep: int = 1, etp: int = 1) -> float:
-    """Parameters of one MoE layer's routed experts on one rank: its num_experts / ep local experts (SwiGLU, three
-    h x f matrices each), every matrix split over the expert tensor-parallel degree `etp`."""
+    """Parameters of one MoE layer's routed experts on one rank: its num_experts / ep local experts (`mlp_matrices`
+    h x f matrices each: the model's activation), every matrix split over the expert tensor-parallel degree `etp`."""
     moe = model.moe
-    return 3 * model.hidden_size * moe.ffn_hidden_size * (moe.num_experts // ep) / etp if moe is not None else 0.0
+    if moe is None:
+        return 0.0
+    return mlp_matrices(model) * model.hidden_size * moe.ffn_hidden_size * (moe.num_experts // ep) / etp
 
 
 def _moe_ffn_params_per_rank(model: ModelShape, tp: int, ep: int, etp: int) -> tuple[float, float]:
     """(outside the routed experts, routed experts) of one MoE layer's FFN on one rank: the shared expert split
     over tp, the router and the shared expert's gate whole on every rank, the local experts split over etp."""
     moe, h = model.moe, model.hidden_size
-    outside = 3 * h * moe.shared_expert_ffn_hidden_size / tp + moe.num_experts * h + (h if moe.shared_expert_gate else 0)
+    shared = mlp_matrices(model) * h * moe.shared_expert_ffn_hidden_size / tp
+    outside = shared + moe.num_experts * h + (h if moe.shared_expert_gate else 0)
     return outside, routed_expert_params_per_rank(model, ep=ep, etp=etp)
 
 

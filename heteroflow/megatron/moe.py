@@ -12,7 +12,12 @@ heteroflow's (`models/moe.py`):
 - The capacity: both take ceil(factor * tokens * top_k / num_experts) per expert. heteroflow keeps each
   expert's earliest tokens, the documented intent of Megatron's "position" drop policy; its code picks them
   with torch.topk over equal values, which does not guarantee the earliest (so: approximated).
-What heteroflow's MoE does not model (expert bias, group-limited routing, z-loss, ...) blocks the import
+- seq_aux_loss: the same per sequence, averaged over the micro-batch (`aux_loss_type: sequence`); the z-loss
+  and the top-k scaling factor map one to one.
+- The experts use the model's MLP: SwiGLU with --swiglu, else fc1 / fc2 with GELU.
+- sinkhorn (given alone): `sinkhorn: true`, approximated: Megatron balances each rank's tokens, heteroflow the
+  micro-batch's (what one device would), with Megatron's weights (sigmoid for top-k 1, else softmax, as they are).
+What heteroflow's MoE does not model (expert bias, group-limited routing, quantile balancing, ...) blocks the import
 by name with what to change.
 """
 
@@ -63,10 +68,10 @@ def map_moe(ctx: Context, num_layers: int, ffn_hidden_size: int, tp: int, swiglu
         return None
     if not num_experts:
         return None
-    ctx.mark("num_experts", "mapped", f"model.moe.num_experts = {num_experts}")
-    if not swiglu:
-        _block(ctx, "num_experts", "experts with a GELU MLP", "heteroflow's experts are SwiGLU (Mixtral, Qwen-MoE, "
-               "DeepSeek); pass --swiglu")
+    # Megatron's experts (and shared expert) are MLPs of the model's TransformerConfig: gated (SwiGLU) with
+    # --swiglu, else its activation_func over fc1 / fc2, as heteroflow's experts follow model.activation.
+    ctx.mark("num_experts", "mapped", f"model.moe.num_experts = {num_experts}, experts with the model's "
+                                      f"{'SwiGLU' if swiglu else 'GELU'} MLP")
     top_k = ctx.value("moe_router_topk")
     ctx.mark_or_default("moe_router_topk", "mapped", f"model.moe.top_k = {top_k}")
     if isinstance(top_k, int) and not 1 <= top_k <= num_experts:
@@ -81,8 +86,10 @@ def map_moe(ctx: Context, num_layers: int, ffn_hidden_size: int, tp: int, swiglu
         ctx.mark("moe_ffn_hidden_size", "mapped", f"model.moe.ffn_hidden_size = {width}")
     shared, gate = _shared_expert(ctx)
     first_dense, freq = _layer_pattern(ctx, num_layers)
-    score, normalize = _router(ctx, top_k)
-    coeff = _load_balancing(ctx, top_k)
+    sinkhorn = _balancing_types(ctx) == ["sinkhorn"]  # Megatron routes by Sinkhorn only when it is the one type
+    score, normalize, factor = _router(ctx, top_k, sinkhorn)
+    coeff, aux_type = _load_balancing(ctx, top_k)
+    z_coeff = _z_loss(ctx)
     capacity = _capacity(ctx, tp)
     _dispatcher(ctx)
     _blockers(ctx)
@@ -92,6 +99,7 @@ def map_moe(ctx: Context, num_layers: int, ffn_hidden_size: int, tp: int, swiglu
     return {"num_experts": num_experts, "top_k": top_k, "ffn_hidden_size": width, "score_function": score,
             "normalize_top_k": normalize, "shared_expert_ffn_hidden_size": shared, "shared_expert_gate": gate,
             "first_dense_layers": first_dense, "layer_freq": freq, "aux_loss_coeff": coeff,
+            "aux_loss_type": aux_type, "z_loss_coeff": z_coeff, "topk_scaling_factor": factor, "sinkhorn": sinkhorn,
             "capacity_factor": capacity}
 
 
@@ -144,14 +152,21 @@ def _layer_pattern(ctx: Context, num_layers: int) -> tuple[int | None, int]:
     return first, step
 
 
-def _router(ctx: Context, top_k: object) -> tuple[str | None, bool]:
-    """The score function and whether the top-k weights are normalised."""
+def _router(ctx: Context, top_k: object, sinkhorn: bool) -> tuple[str | None, bool, float]:
+    """The score function, whether the top-k weights are normalised, and their scaling factor."""
+    if sinkhorn:
+        why = ("Megatron's sinkhorn routing weighs the chosen experts by sigmoid (top-k 1) or softmax scores, "
+               "unnormalised and unscaled, whatever it says: model.moe.sinkhorn = true")
+        for dest in ("moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor"):
+            ctx.mark(dest, "ignored", why)
+        _router_dtype(ctx)
+        return "softmax", False, 1.0
     score = ctx.get("moe_router_score_function")
     pre = bool(ctx.get("moe_router_pre_softmax"))
     if score == "sqrtsoftplus":
         _block(ctx, "moe_router_score_function", "the sqrt-softplus router score function",
                "heteroflow's router scores with softmax or sigmoid")
-        return None, True
+        return None, True, 1.0
     if score == "softmax":
         if top_k == 1 and not pre and "sinkhorn" not in _balancing_types(ctx):
             ctx.error("Please use --moe-router-pre-softmax when topk is 1. (Megatron: softmax over one selected "
@@ -169,20 +184,18 @@ def _router(ctx: Context, top_k: object) -> tuple[str | None, bool]:
             _block(ctx, "moe_router_score_function", "sigmoid routing with --moe-router-topk 1",
                    "Megatron weighs the one expert by its sigmoid score, heteroflow's sigmoid router normalises "
                    "the top-k weights (to 1 for one expert); use softmax with --moe-router-pre-softmax or top-k > 1")
-            return None, True
+            return None, True, 1.0
         ctx.mark("moe_router_score_function", "mapped", "model.moe.score_function = sigmoid (top-k weights "
                                                         "normalised, as Megatron does for top-k > 1)")
         ctx.mark("moe_router_pre_softmax", "ignored", "no effect with sigmoid scores (Megatron applies the "
                                                       "sigmoid before the top-k either way)")
         normalize = True
     factor = ctx.value("moe_router_topk_scaling_factor")
-    if factor is not None and factor != 1.0:
-        _block(ctx, "moe_router_topk_scaling_factor", "scaled top-k routing weights",
-               "heteroflow's router has no scaling factor; remove --moe-router-topk-scaling-factor")
-    elif factor is not None:
-        ctx.mark("moe_router_topk_scaling_factor", "mapped", "a factor of 1 leaves the weights as they are")
+    if factor is not None:
+        ctx.mark("moe_router_topk_scaling_factor", "mapped", f"model.moe.topk_scaling_factor = {factor:g}: the "
+                 "top-k weights (after normalisation) times it, as Megatron")
     _router_dtype(ctx)
-    return score, normalize
+    return score, normalize, 1.0 if factor is None else float(factor)
 
 
 def _router_dtype(ctx: Context) -> None:
@@ -204,45 +217,82 @@ def _balancing_types(ctx: Context) -> list[str]:
     return list(kinds) if isinstance(kinds, list) else [kinds or "aux_loss"]
 
 
-def _load_balancing(ctx: Context, top_k: object) -> float | None:
-    """heteroflow's aux_loss_coeff; None when the source's load balancing is not representable."""
+def _load_balancing(ctx: Context, top_k: object) -> tuple[float | None, str]:
+    """heteroflow's aux_loss_coeff (None when the source's load balancing is not representable) and
+    aux_loss_type."""
     kinds = _balancing_types(ctx)
     coeffs = ctx.get("moe_aux_loss_coeff")
     coeffs = list(coeffs) if isinstance(coeffs, list) else [coeffs if coeffs is not None else 0.0]
     if len(kinds) > 1 and len(coeffs) != len(kinds):
         ctx.error("moe_aux_loss_coeff must be a list of the same length as moe_router_load_balancing_type "
                   f"(Megatron): {len(coeffs)} coefficients for {len(kinds)} types")
-        return None
+        return None, "batch"
     if len(kinds) == 1 and len(coeffs) > 1:
         ctx.error(f"--moe-aux-loss-coeff has {len(coeffs)} values for one load-balancing type (Megatron keeps "
                   "a list only when --moe-router-load-balancing-type is a list of the same length)")
-        return None
+        return None, "batch"
     pairs = list(zip(kinds, coeffs))
-    coeff = 0.0
+    coeff, kind_used = 0.0, "batch"
     for kind, value in pairs:
-        if kind in ("sinkhorn", "quantile_balancing") or (kind in ("seq_aux_loss", "global_aux_loss") and value):
-            what = {"sinkhorn": "Sinkhorn-balanced routing (S-BASE)",
+        if kind == "sinkhorn" and len(kinds) == 1:
+            if value:
+                ctx.error("Sinkhorn routing does not support aux loss. (Megatron: --moe-aux-loss-coeff must be 0 with "
+                          "--moe-router-load-balancing-type sinkhorn)")
+                return None, "batch"
+            continue
+        if kind in ("sinkhorn", "quantile_balancing", "global_aux_loss") and (kind != "global_aux_loss" or value):
+            what = {"sinkhorn": "Sinkhorn routing listed with other load-balancing types (Megatron routes by "
+                                "Sinkhorn only when it is the one type)",
                     "quantile_balancing": "quantile-balancing routing (a learnt per-expert bias)",
-                    "seq_aux_loss": "the per-sequence load-balancing loss (DeepSeek-V2/V3)",
                     "global_aux_loss": "the global-batch load-balancing loss"}[kind]
             _block(ctx, "moe_router_load_balancing_type", f"{what} ({kind})",
-                   "heteroflow's MoE balances with the micro-batch aux loss (aux_loss) or none")
+                   "heteroflow's MoE balances with the micro-batch or per-sequence aux loss (aux_loss, "
+                   "seq_aux_loss), Sinkhorn routing (sinkhorn alone) or none")
             ctx.mark("moe_aux_loss_coeff", "unsupported", f"a coefficient of {what}, which heteroflow lacks")
-            return None
-        if kind == "aux_loss":
-            coeff += value
+            return None, "batch"
+        if kind in ("aux_loss", "seq_aux_loss") and value:
+            if coeff:
+                _block(ctx, "moe_router_load_balancing_type", "both the micro-batch and the per-sequence "
+                       "load-balancing loss", "heteroflow's model.moe trains one of them (aux_loss_type); keep "
+                       "aux_loss or seq_aux_loss")
+                ctx.mark("moe_aux_loss_coeff", "unsupported", "two load-balancing coefficients")
+                return None, "batch"
+            coeff, kind_used = value, "sequence" if kind == "seq_aux_loss" else "batch"
     if not isinstance(top_k, int) or top_k < 1:
-        return None
+        return None, kind_used
     ours = float(f"{coeff / top_k:.12g}")  # 12 digits: the export's coeff * top_k reads back as the same value
     if coeff:
-        detail = (f"model.moe.aux_loss_coeff = {ours:g} = {coeff:g} / top_k {top_k}: Megatron's aux loss divides "
-                  "the assignment counts by tokens * top_k, heteroflow's (Hugging Face's) by tokens, so the "
-                  f"gradient is the same; the aux_loss figure heteroflow reports is {top_k} x Megatron's")
+        detail = (f"model.moe.aux_loss_type = {kind_used}, aux_loss_coeff = {ours:g} = {coeff:g} / top_k {top_k}: "
+                  "Megatron's aux loss divides the assignment counts by tokens * top_k, heteroflow's (Hugging "
+                  "Face's) by tokens, so the gradient is the same; the aux_loss figure heteroflow reports is "
+                  f"{top_k} x Megatron's")
+    elif kinds == ["sinkhorn"]:
+        detail = ("model.moe.sinkhorn = true: the top-k chosen by Sinkhorn-balanced scores (S-BASE); approximated: "
+                  "heteroflow balances over the micro-batch (pooled over dp, cp and sp ranks, as one device), Megatron "
+                  "over each rank's tokens")
+        ctx.mark("moe_router_load_balancing_type", "approximated", detail)
+        ctx.mark("moe_aux_loss_coeff", "mapped", "0: Sinkhorn routing trains no aux loss")
+        return ours, kind_used
     else:
         detail = "model.moe.aux_loss_coeff = 0: no load-balancing loss"
     ctx.mark_or_default("moe_router_load_balancing_type", "mapped", detail)
     ctx.mark_or_default("moe_aux_loss_coeff", "mapped", detail)
-    return ours
+    return ours, kind_used
+
+
+def _z_loss(ctx: Context) -> float:
+    """model.moe.z_loss_coeff: Megatron's z-loss is coeff * the mean of logsumexp(logits)^2 over a micro-batch's
+    tokens (divided over its tp x cp ranks, which hold parts of them), heteroflow's the same."""
+    value = ctx.value("moe_z_loss_coeff")
+    if value is None or not value:
+        ctx.mark("moe_z_loss_coeff", "ignored", "off: same as heteroflow")
+        return 0.0
+    if value < 0:
+        ctx.error(f"{ctx.key('moe_z_loss_coeff')} {value}: the z-loss coefficient must not be negative")
+        return 0.0
+    ctx.mark("moe_z_loss_coeff", "mapped", f"model.moe.z_loss_coeff = {value:g}: coeff * mean over the "
+                                           "micro-batch's tokens of logsumexp(router logits)^2, as Megatron")
+    return float(value)
 
 
 def _capacity(ctx: Context, tp: int) -> float | None:
@@ -329,8 +379,6 @@ def _blockers(ctx: Context) -> None:
     else:
         ctx.mark("moe_router_num_groups", "ignored", "used only with --moe-router-group-topk")
     rules = (
-        ("moe_z_loss_coeff", lambda v: v, "the router z-loss (ST-MoE)",
-         "heteroflow's MoE trains no z-loss; remove --moe-z-loss-coeff"),
         ("moe_input_jitter_eps", lambda v: v, "router input jitter",
          "heteroflow's router takes its input unchanged (as it refuses Hugging Face's router_jitter_noise); "
          "remove --moe-input-jitter-eps"),

@@ -25,12 +25,18 @@ def moe_args(moe: MoESpec, num_layers: int) -> list[str]:
             args.append("--moe-shared-expert-gate")
     if moe.first_dense_layers or moe.layer_freq != 1:
         args += ["--moe-layer-freq", layer_freq_arg(num_layers, moe.first_dense_layers, moe.layer_freq)]
-    if moe.aux_loss_coeff:
+    if moe.sinkhorn:
+        args += ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0"]
+    elif moe.aux_loss_coeff:
         # Megatron's aux loss is heteroflow's / top_k (moe.py): the same gradient needs top_k x the coefficient.
-        args += ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff",
-                 repr(moe.aux_loss_coeff * moe.top_k)]
+        kind = "seq_aux_loss" if moe.aux_loss_type == "sequence" else "aux_loss"
+        args += ["--moe-router-load-balancing-type", kind, "--moe-aux-loss-coeff", repr(moe.aux_loss_coeff * moe.top_k)]
     else:
         args += ["--moe-router-load-balancing-type", "none"]
+    if moe.z_loss_coeff:
+        args += ["--moe-z-loss-coeff", repr(moe.z_loss_coeff)]
+    if moe.topk_scaling_factor != 1.0:
+        args += ["--moe-router-topk-scaling-factor", repr(moe.topk_scaling_factor)]
     if moe.capacity_factor is not None:
         args += ["--moe-expert-capacity-factor", repr(moe.capacity_factor), "--moe-token-drop-policy", "position"]
     # heteroflow's runtime exchanges tokens by all-to-all; Megatron's default dispatcher is allgather.

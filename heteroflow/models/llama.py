@@ -15,7 +15,7 @@ Face loading key on them:
     layers.{i}.mlp_norm.weight
     layers.{i}.mlp.{w1,w2,w3}.weight        w1 gate, w3 up, w2 down (gelu: w1, w2 only)
     layers.{i}.mlp.router.weight            MoE layers (`moe.py`) instead: router [experts, hidden],
-    layers.{i}.mlp.experts.{j}.{w1,w2,w3}.weight   expert j (global index),
+    layers.{i}.mlp.experts.{j}.{w1,w2,w3}.weight   expert j (global index; gelu: w1, w2 only),
     layers.{i}.mlp.shared_expert.{w1,w2,w3}.weight, layers.{i}.mlp.shared_expert_gate.weight
     norm.weight                     final norm                      (last stage)
     head.weight                     LM head                         (last stage)
@@ -151,7 +151,7 @@ class Block(nn.Module):
         self.attn = Attention(spec)
         self.mlp_norm = make_norm(spec, spec.hidden_size)
         if spec.is_moe_layer(layer):
-            self.mlp = MoE(spec.hidden_size, spec.moe)
+            self.mlp = MoE(spec.hidden_size, spec.moe, swiglu=spec.activation == "swiglu")
         else:
             self.mlp = FeedForward(spec.hidden_size, spec.ffn_hidden_size, swiglu=spec.activation == "swiglu")
 

@@ -15,10 +15,14 @@ num_experts * sum_e(f_e * P_e), f_e the fraction of (token, slot) assignments to
 top_k) and P_e the mean routing probability of e, both over the micro-batch. When a micro-batch's tokens are
 spread over ranks (dp, cp, sp), `Router.pool` (set by the parallelization) sums the assignment counts and token
 counts over them, so each rank's value is its part of the micro-batch's loss: the parts add up to the value
-one device computes, and each part's gradient is exact. It does not enter the returned hidden states: an
-autograd function adds its gradient, coeff times its weight in the step (`set_aux_loss_scale`), in the
-backward pass, as Megatron-core's MoEAuxLossAutoScaler does, so the pipeline's backward needs nothing extra
-and the reported `loss` stays the language-model cross entropy. Its value is recorded in backward (which
+one device computes, and each part's gradient is exact. With `aux_loss_type: sequence` the same loss is taken
+over each sequence and averaged over the micro-batch's sequences (Megatron's seq_aux_loss); the cp ranks holding
+chunks of one sequence pool its counts (`Router.sequence_pool`). The router z-loss (ST-MoE) is the mean over the
+micro-batch's tokens of logsumexp(logits)^2, each rank's part its tokens' share. Neither enters the returned
+hidden states: an autograd function adds their gradient, coeff (aux_loss_coeff, z_loss_coeff) times the
+micro-batch's weight in the step (`set_aux_loss_scale`), in the backward pass, as Megatron-core's
+MoEAuxLossAutoScaler does, so the pipeline's backward needs nothing extra and the reported `loss` stays the
+language-model cross entropy. The load-balancing loss's value (not the z-loss's) is recorded in backward (which
 runs once per micro-batch, also under recompute) for `take_aux_losses`.
 """
 
@@ -42,13 +46,20 @@ Pool = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """Where each of T tokens goes: `indices_TK` experts with `weights_TK` (fp32), and this rank's part of the
-    layer's load-balancing loss over the micro-batch's `num_tokens` tokens."""
+    """Where each of T tokens goes: `indices_TK` experts with `weights_TK` (fp32), and this rank's parts of the
+    layer's load-balancing loss and router z-loss over the micro-batch's `num_tokens` tokens."""
 
     weights_TK: torch.Tensor
     indices_TK: torch.Tensor
     aux_loss: torch.Tensor
+    z_loss: torch.Tensor
     num_tokens: int
+
+
+def _assignments(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per row of `indices` [..., n], how many of its n entries pick each expert: [..., num_experts] (fp32)."""
+    counts = torch.zeros(*indices.shape[:-1], num_experts, dtype=torch.float32, device=indices.device)
+    return counts.scatter_add_(-1, indices, torch.ones(indices.shape, dtype=torch.float32, device=indices.device))
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor,
@@ -57,13 +68,50 @@ def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor,
     `load_balancing_loss_func` for one layer), and the tokens it is over. With `pool`, the fractions and the
     token count are the micro-batch's, and the value is this rank's part: its probabilities' share of the sum."""
     num_tokens, num_experts = probs_TE.shape
-    stats = torch.zeros(num_experts + 1, dtype=torch.float32, device=probs_TE.device)
-    stats.index_add_(0, indices_TK.flatten(), torch.ones(indices_TK.numel(), device=probs_TE.device))
-    stats[-1] = num_tokens
+    stats = torch.cat([_assignments(indices_TK.flatten(), num_experts),
+                       torch.tensor([num_tokens], dtype=torch.float32, device=probs_TE.device)])
     if pool is not None:
         stats = pool(stats)
     total = int(stats[-1].item())
     return num_experts * torch.sum(stats[:-1] / total * probs_TE.float().sum(0) / total), total
+
+
+def sequence_load_balancing_loss(probs_BSE: torch.Tensor, indices_BSK: torch.Tensor, pool: Pool | None = None,
+                                 sequence_pool: Pool | None = None) -> tuple[torch.Tensor, int]:
+    """`load_balancing_loss` of each sequence (a row of B), averaged over the micro-batch's sequences (Megatron's
+    seq_aux_loss in Hugging Face's scale), and the tokens it is over. `sequence_pool` sums over the ranks holding
+    chunks of the same sequences (cp), `pool` over all the micro-batch's ranks; the value is this rank's part."""
+    batch, seq, num_experts = probs_BSE.shape
+    stats = torch.cat([_assignments(indices_BSK.reshape(batch, -1), num_experts).flatten(),
+                       torch.tensor([seq], dtype=torch.float32, device=probs_BSE.device)])
+    if sequence_pool is not None:
+        stats = sequence_pool(stats)
+    seq_length = stats[-1]
+    tokens = torch.tensor([batch * seq], dtype=torch.float32, device=probs_BSE.device)
+    total = int((pool(tokens) if pool is not None else tokens).item())
+    counts = stats[:-1].view(batch, num_experts)
+    per_sequence = num_experts * torch.sum(counts / seq_length * probs_BSE.float().sum(1) / seq_length)
+    return per_sequence / (total / seq_length), total
+
+
+def sinkhorn(logits_TE: torch.Tensor, pool: Pool | None = None, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-balanced scores d1_e * exp(logit_te) * d0_t (S-BASE; megatron-core's `sinkhorn`): the token and
+    expert factors are iterated until the expert factors change by less than `tol` on average. With `pool`, the
+    sums over tokens are the micro-batch's, so every rank iterates alike and chooses as one device would."""
+    cost = torch.exp(logits_TE.float())
+    tokens = torch.tensor([cost.shape[0]], dtype=torch.float32, device=cost.device)
+    total = pool(tokens) if pool is not None else tokens
+    eps = 1e-8
+    d0 = torch.ones(cost.shape[0], device=cost.device)
+    d1 = torch.ones(cost.shape[1], device=cost.device)
+    error = math.inf
+    while error > tol:
+        d0 = 1 / total / (torch.sum(d1 * cost, 1) + eps)
+        column = torch.sum(d0[:, None] * cost, 0)
+        updated = 1 / cost.shape[1] / ((pool(column) if pool is not None else column) + eps)
+        error = torch.mean(torch.abs(d1 - updated)).item()
+        d1 = updated
+    return d1 * cost * d0[:, None]
 
 
 def sort_by_expert(indices_TK: torch.Tensor, num_experts: int,
@@ -84,26 +132,46 @@ def sort_by_expert(indices_TK: torch.Tensor, num_experts: int,
 
 
 class Router(nn.Module):
-    """Linear scores over the experts, top-k per token (softmax or sigmoid scores)."""
+    """Linear scores over the experts, top-k per token (softmax or sigmoid scores), the weights optionally
+    normalised, then scaled by `topk_scaling_factor`."""
 
     def __init__(self, hidden_size: int, moe: MoESpec):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
-        self.top_k = moe.top_k
+        self.top_k, self.scaling = moe.top_k, moe.topk_scaling_factor
         self.sigmoid = moe.score_function == "sigmoid"
         self.normalize = moe.normalize_top_k or self.sigmoid  # sigmoid scores do not sum to one
+        self.per_sequence = moe.aux_loss_type == "sequence"
+        self.sinkhorn = moe.sinkhorn
         self.pool: Pool | None = None
         """Sums the load-balancing statistics over the micro-batch's ranks (None: this rank holds it all)."""
+        self.sequence_pool: Pool | None = None
+        """Sums per-sequence statistics over the ranks holding chunks of the same sequences (cp; None: none)."""
 
-    def forward(self, x_TH: torch.Tensor) -> Routing:
+    def forward(self, x_TH: torch.Tensor, num_sequences: int = 1) -> Routing:
+        """Route `x_TH`, `num_sequences` sequences of equal length one after another (for the sequence loss)."""
         logits = F.linear(x_TH, self.weight).float()
         scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
-        weights, indices = torch.topk(scores, self.top_k, dim=-1)
+        if self.sinkhorn:
+            with torch.no_grad():  # the choice only: the weights are the scores below
+                indices = torch.topk(sinkhorn(logits, self.pool), self.top_k, dim=-1).indices
+            weights = (torch.sigmoid(logits) if self.top_k == 1 else scores).gather(1, indices)
+        else:
+            weights, indices = torch.topk(scores, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
-        aux_loss, num_tokens = load_balancing_loss(probs, indices, self.pool)
-        return Routing(weights, indices, aux_loss, num_tokens)
+        if self.per_sequence:
+            aux_loss, num_tokens = sequence_load_balancing_loss(
+                probs.view(num_sequences, -1, probs.shape[-1]), indices.view(num_sequences, -1, self.top_k),
+                self.pool, self.sequence_pool)
+        else:
+            aux_loss, num_tokens = load_balancing_loss(probs, indices, self.pool)
+        # z-loss: mean over the micro-batch's tokens of logsumexp^2; this rank's part is its tokens' share.
+        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / num_tokens
+        return Routing(weights, indices, aux_loss, z_loss, num_tokens)
 
 
 class Dispatcher(Protocol):
@@ -114,12 +182,13 @@ class Dispatcher(Protocol):
 
 
 class Experts(nn.ModuleDict):
-    """Routed SwiGLU experts keyed by global expert index; forward sums each token's weighted outputs
-    over its experts (those held here, or anywhere through `dispatcher`)."""
+    """Routed experts (SwiGLU, or GELU with `swiglu=False`: the model's MLP activation) keyed by global expert
+    index; forward sums each token's weighted outputs over its experts (those held here, or anywhere through
+    `dispatcher`)."""
 
-    def __init__(self, hidden_size: int, moe: MoESpec, expert_ids: range | None = None):
+    def __init__(self, hidden_size: int, moe: MoESpec, expert_ids: range | None = None, *, swiglu: bool = True):
         ids = range(moe.num_experts) if expert_ids is None else expert_ids
-        super().__init__({str(j): FeedForward(hidden_size, moe.ffn_hidden_size) for j in ids})
+        super().__init__({str(j): FeedForward(hidden_size, moe.ffn_hidden_size, swiglu=swiglu) for j in ids})
         self.num_experts, self.top_k, self.capacity_factor = moe.num_experts, moe.top_k, moe.capacity_factor
         self.dispatcher: Dispatcher | None = None
         """Set when some experts live on other ranks; None: every expert is here."""
@@ -156,32 +225,33 @@ def combine(x_TH: torch.Tensor, token: torch.Tensor, y: torch.Tensor) -> torch.T
 
 
 class _AuxLossGrad(torch.autograd.Function):
-    """Identity on the layer output; in backward, gives the aux loss the gradient `grad_weight` and records
-    its value times `record_weight` in `sink`."""
+    """Identity on the layer output; in backward, gives the router's `loss` the gradient `grad_weight` and records
+    `record` times `record_weight` in `sink`."""
 
     @staticmethod
-    def forward(ctx, out, aux_loss, grad_weight: float, record_weight: float, sink: list):
-        ctx.aux_value, ctx.grad_weight, ctx.record_weight, ctx.sink = aux_loss.detach(), grad_weight, \
-            record_weight, sink
+    def forward(ctx, out, loss, record: torch.Tensor, grad_weight: float, record_weight: float, sink: list):
+        ctx.shape, ctx.record, ctx.grad_weight, ctx.record_weight, ctx.sink = loss.shape, record.detach(), \
+            grad_weight, record_weight, sink
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        ctx.sink.append(ctx.aux_value * ctx.record_weight)
-        return grad_out, torch.full_like(ctx.aux_value, ctx.grad_weight), None, None, None
+        ctx.sink.append(ctx.record * ctx.record_weight)
+        return grad_out, torch.full(ctx.shape, ctx.grad_weight, device=ctx.record.device), None, None, None, None
 
 
 class MoE(nn.Module):
-    """Router, routed experts and optional (gated) shared expert: y = sum_k w_k expert_k(x) [+ g(x) shared(x)]."""
+    """Router, routed experts and optional (gated) shared expert: y = sum_k w_k expert_k(x) [+ g(x) shared(x)];
+    the experts and the shared expert use the model's MLP activation (`swiglu`, else GELU), as Megatron's."""
 
-    def __init__(self, hidden_size: int, moe: MoESpec):
+    def __init__(self, hidden_size: int, moe: MoESpec, *, swiglu: bool = True):
         super().__init__()
         self.router = Router(hidden_size, moe)
-        self.experts = Experts(hidden_size, moe)
+        self.experts = Experts(hidden_size, moe, swiglu=swiglu)
         shared = moe.shared_expert_ffn_hidden_size
-        self.shared_expert = FeedForward(hidden_size, shared) if shared else None
+        self.shared_expert = FeedForward(hidden_size, shared, swiglu=swiglu) if shared else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if moe.shared_expert_gate else None
-        self.aux_loss_coeff = moe.aux_loss_coeff
+        self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.aux_tokens: int | None = None
         """Routed tokens of the whole step (set by `set_aux_loss_scale`); None: each forward is the batch."""
         self.aux_grad_scale = 1.0
@@ -191,7 +261,7 @@ class MoE(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
-        routing = self.router(x_TH)
+        routing = self.router(x_TH, x_BSH.shape[0])
         y_TH = self.experts(x_TH, routing.weights_TK, routing.indices_TK)
         if self.shared_expert is not None:
             shared = self.shared_expert(x_TH)
@@ -200,8 +270,9 @@ class MoE(nn.Module):
             y_TH = y_TH + shared
         if torch.is_grad_enabled():
             share = 1.0 if self.aux_tokens is None else routing.num_tokens / self.aux_tokens
-            y_TH = _AuxLossGrad.apply(y_TH, routing.aux_loss, self.aux_loss_coeff * share * self.aux_grad_scale,
-                                      share, self.aux_losses)
+            router_loss = self.aux_loss_coeff * routing.aux_loss + self.z_loss_coeff * routing.z_loss
+            y_TH = _AuxLossGrad.apply(y_TH, router_loss, routing.aux_loss, share * self.aux_grad_scale, share,
+                                      self.aux_losses)
         return y_TH.view(x_BSH.shape)
 
 

@@ -97,7 +97,7 @@ def parallelize_stage(model: StageModel, *, layout: ParallelLayout, tp_group: Pr
     for block in model.layers.values():
         if isinstance(block.mlp, MoE):
             _parallelize_moe(block.mlp, layout=layout, tp_group=tp_group if tp > 1 else None, ep_group=ep_group,
-                             token_group=token_group)
+                             token_group=token_group, cp_group=cp_group if layout.cp > 1 else None)
     apply_recompute(model, layout.recompute)
     return model
 
@@ -158,7 +158,8 @@ def _shard_mlp(mlp: FeedForward, tp: int, rank: int) -> None:
 
 
 def _parallelize_moe(moe: MoE, *, layout: ParallelLayout, tp_group: ProcessGroup | None,
-                     ep_group: ProcessGroup | None, token_group: ProcessGroup | None) -> None:
+                     ep_group: ProcessGroup | None, token_group: ProcessGroup | None,
+                     cp_group: ProcessGroup | None = None) -> None:
     """Keep this ep rank's experts (global names kept), split them over etp and the shared expert over tp, and
     put the collectives around them.
 
@@ -166,7 +167,8 @@ def _parallelize_moe(moe: MoE, *, layout: ParallelLayout, tp_group: ProcessGroup
     replicated tokens, and the routing weights enter the experts' region through `copy_to_tp` (or `split_rows`),
     whose backward completes their gradient on every tp rank, so they need no `partial_grad` mark; under sp they
     see this rank's sequence chunk and their gradients are partial over tp. The load-balancing statistics are
-    pooled over `token_group` (`Router.pool`).
+    pooled over `token_group` (`Router.pool`), per-sequence ones over `cp_group` (`Router.sequence_pool`: the cp
+    ranks hold chunks of the same sequences; the layout rules refuse the sequence loss under sp).
 
     The routed experts' region, by expert layout (etp is tp or 1; the layout rules refuse the rest):
       * etp = tp: experts split like the dense MLP; each rank of a tp group dispatches the same tokens to the
@@ -181,6 +183,8 @@ def _parallelize_moe(moe: MoE, *, layout: ParallelLayout, tp_group: ProcessGroup
     ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
     if token_group is not None:
         moe.router.pool = partial(all_reduce_sum, group=token_group)
+    if cp_group is not None:
+        moe.router.sequence_pool = partial(all_reduce_sum, group=cp_group)
     if layout.sp and tp > 1:
         _mark_partial(moe.router, *([moe.shared_expert_gate] if moe.shared_expert_gate is not None else []))
     held = local_experts(moe.experts.num_experts, layout.ep, ep_rank)

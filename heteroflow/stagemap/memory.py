@@ -164,7 +164,7 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
 
 
 def routing_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, etp: int, dtype_bytes: int) -> float:
-    """What a MoE block saves beyond its experts' SwiGLU activations (`models.moe`): the router's fp32 scores over
+    """What a MoE block saves beyond its experts' MLP activations (`models.moe`): the router's fp32 scores over
     every expert, each routed pair's expert input row and weighted expert output (h values each), and the int64
     token and slot indices that route them. A rank routes its sequence chunk under sp, and its experts compute
     `layout.routing.routed_pairs_per_rank` pairs (uniform routing)."""

@@ -61,9 +61,31 @@ def test_moe_errors_name_their_path(moe, line):
     assert any(p.startswith(line) for p in found), found
 
 
-def test_moe_needs_swiglu():
-    found = problems(job({"preset": "micro-llama", "activation": "gelu", "moe": MOE}))
-    assert any(p.startswith("model.moe: experts are SwiGLU") for p in found), found
+def test_gelu_experts_follow_the_model_activation():
+    moe = {**MOE, "shared_expert_ffn_hidden_size": 64}
+    spec = parse_job(job({"preset": "micro-llama", "activation": "gelu", "moe": moe})).model
+    h = spec.hidden_size
+    assert spec.ffn_params(0) == 8 * 2 * h * 128 + 2 * h * 64 + 8 * h  # fc1 / fc2 per expert and shared expert
+    assert spec.ffn_params(0, active=True) == 2 * 2 * h * 128 + 2 * h * 64 + 8 * h
+
+
+@pytest.mark.parametrize("moe,line", [
+    ({**MOE, "aux_loss_type": "global"}, "model.moe.aux_loss_type: must be one of batch, sequence; got 'global'"),
+    ({**MOE, "z_loss_coeff": -1e-3}, "model.moe.z_loss_coeff: must be"),
+    ({**MOE, "topk_scaling_factor": 0}, "model.moe.topk_scaling_factor: must be above 0"),
+    ({**MOE, "sinkhorn": True}, "model.moe.normalize_top_k: sinkhorn routing weighs the chosen experts"),
+    ({**MOE, "sinkhorn": True, "normalize_top_k": False, "aux_loss_coeff": 0.01}, "model.moe.aux_loss_coeff: sinkhorn"),
+])
+def test_router_option_errors_name_their_path(moe, line):
+    found = problems(job({"preset": "micro-llama", "moe": moe}))
+    assert any(p.startswith(line) for p in found), found
+
+
+def test_sequence_aux_loss_runs_without_sp():
+    spec = parse_job(job({"preset": "micro-llama", "moe": {**MOE, "aux_loss_type": "sequence"}})).model
+    keys = {p.key for p in ParallelLayout(tp=2, sp=True).validate(spec)}
+    assert keys == {"sp"}
+    assert not ParallelLayout(tp=2, cp=2, ep=2).validate(spec)
 
 
 def test_layout_rules_for_moe():

@@ -72,19 +72,19 @@ def test_mixtral_on_one_node_breaks_megatrons_expert_rule_exit_2():
             in result.stderr)
 
 
-def _z_loss_script(tmp_path) -> str:
-    script = tmp_path / "moe_z_loss.sh"
-    script.write_text(launch_script("--swiglu --num-experts 8 --moe-z-loss-coeff 1e-3"))
+def _jitter_script(tmp_path) -> str:
+    script = tmp_path / "moe_jitter.sh"
+    script.write_text(launch_script("--swiglu --num-experts 8 --moe-input-jitter-eps 0.01"))
     return str(script)
 
 
 def test_moe_feature_refused_by_name_with_exit_2_and_the_report(tmp_path):
-    script = _z_loss_script(tmp_path)
+    script = _jitter_script(tmp_path)
     result = heteroflow("import-megatron", script, "--device-type", "cpu")
     assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
     assert "NOT IMPORTED" in result.stderr
-    assert (f"error: {script}: not imported: mixture-of-experts: the router z-loss (ST-MoE) (--moe-z-loss-coeff "
-            "0.001): heteroflow's MoE trains no z-loss; remove --moe-z-loss-coeff") in result.stderr
+    assert (f"error: {script}: not imported: mixture-of-experts: router input jitter (--moe-input-jitter-eps "
+            "0.01): heteroflow's router takes its input unchanged") in result.stderr
 
 
 def test_json_is_one_document(tmp_path):
@@ -93,7 +93,7 @@ def test_json_is_one_document(tmp_path):
     data = json.loads(result.stdout)
     assert data["ready"] and data["job"]["plan"]["micro_batch_size"] == 2
     assert data["report"]["counts"]["mapped"] > 30
-    blocked = heteroflow("import-megatron", _z_loss_script(tmp_path), "--json")
+    blocked = heteroflow("import-megatron", _jitter_script(tmp_path), "--json")
     assert blocked.returncode == 2 and json.loads(blocked.stdout)["blocked"]
 
 

@@ -24,7 +24,7 @@ REFUSED = {
     "examples/bert/train_bert_340m_distributed.sh": "BERT",
     "examples/t5/train_t5_220m_distributed.sh": "T5 (encoder-decoder)",
     "examples/mamba/train.sh": "hybrid Mamba",
-    "examples/gptoss/02_train.sh": "mixture-of-experts",
+    "examples/gptoss/02_train.sh": "quick-GeGLU MLP activation",  # its MoE flags map; its activation does not
     "examples/multimodal/llama_3p1_nemotron_nano_vl_8b_v1/pretraining_llama_3p1_nemotron_nano_vl_8b_v1.sh":
         "multimodal vision-language model",
     "examples/multimodal/pretrain_mistral_clip.sh": "multimodal vision-language model",

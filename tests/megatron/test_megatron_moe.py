@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from heteroflow.errors import UserError
 from heteroflow.megatron import MegatronRuleError
 from heteroflow.megatron.moe_pattern import dense_first_and_freq, layer_freq_arg, parse_layer_freq
 from megatron_helpers import entry, heteroflow, import_args, launch_script
@@ -38,7 +39,9 @@ def test_megatron_defaults(tmp_path):
     ffn = result.job_dict["model"]["ffn_hidden_size"]
     assert moe == {"num_experts": 8, "top_k": 2, "ffn_hidden_size": ffn, "score_function": "softmax",
                    "normalize_top_k": True, "shared_expert_ffn_hidden_size": 0, "shared_expert_gate": False,
-                   "first_dense_layers": 0, "layer_freq": 1, "aux_loss_coeff": 0.0, "capacity_factor": None}
+                   "first_dense_layers": 0, "layer_freq": 1, "aux_loss_coeff": 0.0, "aux_loss_type": "batch",
+                   "z_loss_coeff": 0.0, "topk_scaling_factor": 1.0, "sinkhorn": False,
+                   "capacity_factor": None}
     assert result.job.model.moe is not None  # the job validates with its experts
     assert entry(result, "--moe-ffn-hidden-size").origin == "default"
     assert entry(result, "--num-experts").disposition == "mapped"
@@ -117,9 +120,8 @@ def test_load_balancing_types_heteroflow_has(tmp_path, args, coeff):
 
 
 @pytest.mark.parametrize("args, words", [
-    ("--moe-router-load-balancing-type sinkhorn", "Sinkhorn-balanced routing (S-BASE) (sinkhorn)"),
-    ("--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3",
-     "the per-sequence load-balancing loss (DeepSeek-V2/V3) (seq_aux_loss)"),
+    ("--moe-router-load-balancing-type sinkhorn aux_loss --moe-aux-loss-coeff 0 1e-2",
+     "Sinkhorn routing listed with other load-balancing types"),
     ("--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-3", "global-batch load-balancing"),
     ("--moe-router-load-balancing-type quantile_balancing", "quantile-balancing routing"),
 ])
@@ -162,10 +164,8 @@ def test_pad_to_capacity_needs_a_capacity_factor(tmp_path):
 @pytest.mark.parametrize("args, flag, words", [
     ("--moe-router-score-function sigmoid --moe-router-enable-expert-bias", "--moe-router-enable-expert-bias",
      "aux-loss-free routing with a learnt per-expert bias"),
-    ("--moe-z-loss-coeff 1e-3", "--moe-z-loss-coeff", "router z-loss"),
     ("--moe-input-jitter-eps 0.01", "--moe-input-jitter-eps", "router input jitter"),
     ("--moe-router-num-groups 4 --moe-router-group-topk 2", "--moe-router-group-topk", "group-limited routing"),
-    ("--moe-router-topk-scaling-factor 2.5", "--moe-router-topk-scaling-factor", "scaled top-k routing weights"),
     ("--moe-router-score-function sqrtsoftplus", "--moe-router-score-function", "sqrt-softplus"),
     ("--moe-router-score-function sigmoid --moe-router-topk 1", "--moe-router-score-function",
      "sigmoid routing with --moe-router-topk 1"),
@@ -179,10 +179,44 @@ def test_moe_features_heteroflow_lacks_are_refused_by_name(tmp_path, args, flag,
     assert entry(result, flag).disposition == "unsupported"
 
 
-def test_gelu_experts_are_refused_by_name(tmp_path):
-    result = import_args(tmp_path, "--num-experts 8")
-    assert result.report.blockers == ("mixture-of-experts: experts with a GELU MLP (--num-experts 8): heteroflow's "
-                                      "experts are SwiGLU (Mixtral, Qwen-MoE, DeepSeek); pass --swiglu",)
+def test_gelu_experts_import_with_the_models_activation(tmp_path):
+    result = import_args(tmp_path, "--disable-bias-linear --num-experts 8 --moe-shared-expert-intermediate-size 64")
+    assert not result.report.blockers
+    assert result.job.model.activation == "gelu" and result.job.model.moe.shared_expert_ffn_hidden_size == 64
+
+
+@pytest.mark.parametrize("args, fields", [
+    ("--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3",
+     {"aux_loss_type": "sequence", "aux_loss_coeff": 5e-4}),
+    ("--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0 1e-3",
+     {"aux_loss_type": "sequence", "aux_loss_coeff": 5e-4}),
+    ("--moe-z-loss-coeff 1e-3", {"z_loss_coeff": 1e-3}),
+    ("--moe-router-topk-scaling-factor 2.5", {"topk_scaling_factor": 2.5}),
+])
+def test_router_options_are_mapped(tmp_path, args, fields):
+    result = import_args(tmp_path, f"{MOE} {args}")
+    assert not result.report.blockers
+    moe = result.job_dict["model"]["moe"]
+    assert {key: moe[key] for key in fields} == fields
+
+
+def test_sinkhorn_routing_is_mapped_with_megatrons_weights(tmp_path):
+    result = import_args(tmp_path, f"{MOE} --moe-router-topk 1 --moe-router-load-balancing-type sinkhorn "
+                                   "--moe-router-score-function sigmoid --moe-router-topk-scaling-factor 2")
+    assert not result.report.blockers
+    moe = result.job_dict["model"]["moe"]
+    assert (moe["sinkhorn"], moe["score_function"], moe["normalize_top_k"], moe["topk_scaling_factor"],
+            moe["aux_loss_coeff"]) == (True, "softmax", False, 1.0, 0.0)
+    assert entry(result, "--moe-router-load-balancing-type").disposition == "approximated"
+    assert entry(result, "--moe-router-topk-scaling-factor").disposition == "ignored"
+    assert "Sinkhorn routing does not support aux loss" in _rule_error(
+        tmp_path, "--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 1e-2")
+
+
+def test_both_aux_losses_are_refused_by_name(tmp_path):
+    blocker, _ = _blocked(tmp_path, f"{MOE} --moe-router-load-balancing-type aux_loss seq_aux_loss "
+                                    "--moe-aux-loss-coeff 1e-2 1e-3")
+    assert "both the micro-batch and the per-sequence load-balancing loss" in blocker, blocker
 
 
 def test_refusal_exits_2_naming_the_source(tmp_path):
@@ -265,13 +299,20 @@ def test_moe_options_without_experts(tmp_path):
 
 # -- expert parallelism ------------------------------------------------------------------------------
 def test_ep_and_etp_go_to_every_stage(tmp_path):
-    result = import_args(tmp_path, f"{MOE} --expert-model-parallel-size 4 --expert-tensor-parallel-size 2 "
+    result = import_args(tmp_path, f"{MOE} --tensor-model-parallel-size 2 --sequence-parallel "
+                                   "--expert-model-parallel-size 4 --expert-tensor-parallel-size 1 "
                                    "--pipeline-model-parallel-size 2", nodes=2)
     stages = result.job_dict["plan"]["stages"]
-    assert [(s["tp"], s["dp"], s["ep"], s["etp"]) for s in stages] == [(1, 8, 4, 2)] * 2
+    assert [(s["tp"], s["dp"], s["ep"], s["etp"]) for s in stages] == [(2, 4, 4, 1)] * 2
     assert entry(result, "--expert-model-parallel-size").detail == "plan.stages[*].ep = 4"
-    assert [(s.layout.ep, s.layout.expert_tp, s.layout.expert_dp) for s in result.job.plan.stages] == [(4, 2, 1)] * 2
-    assert "experts: etp 2 x ep 4 x expert-dp 1 per pipeline stage" in result.report.format()
+    assert [(s.layout.ep, s.layout.expert_tp, s.layout.expert_dp) for s in result.job.plan.stages] == [(4, 1, 2)] * 2
+    assert "experts: etp 1 x ep 4 x expert-dp 2 per pipeline stage" in result.report.format()
+
+
+def test_etp_between_1_and_tp_is_refused_with_the_layout_rule(tmp_path):
+    error = pytest.raises(UserError, import_args, tmp_path, f"{MOE} --expert-model-parallel-size 4 "
+                          "--expert-tensor-parallel-size 2 --pipeline-model-parallel-size 2", nodes=2).value
+    assert "plan.stages[0].etp: etp 2 is neither 1 nor tp 1" in str(error)
 
 
 def test_etp_equal_to_tp_is_left_out_of_the_plan(tmp_path):

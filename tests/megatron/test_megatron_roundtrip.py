@@ -49,9 +49,10 @@ CASES = {
     "mixtral-8x7b tp1 pp2 dp8 ep8 zero1": (
         dict(PRESETS["mixtral-8x7b"].to_dict(), seq_length=4096), TRAIN,
         {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 16, 1, 8), (["gpu-1"], 16, 1, 8)], ep=8, zero=1)}),
-    "qwen3-30b-a3b ep4 etp2, top 8 of 128": (
+    "qwen3-30b-a3b tp2 sp ep4 etp1, top 8 of 128": (
         dict(PRESETS["qwen3-30b-a3b"].to_dict(), seq_length=4096), TRAIN,
-        {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 24, 1, 8), (["gpu-1"], 24, 1, 8)], ep=4, etp=2)}),
+        {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 24, 2, 4), (["gpu-1"], 24, 2, 4)], ep=4, etp=1,
+                                                  sp=True)}),
     "moe: dense first layers, every 2nd layer, gated shared expert, raw top-k": (
         dict(PRESETS["llama2-7b"].to_dict(), num_layers=16, moe={
             "num_experts": 16, "top_k": 3, "ffn_hidden_size": 1408, "normalize_top_k": False,
@@ -62,6 +63,11 @@ CASES = {
         dict(PRESETS["llama2-7b"].to_dict(), num_layers=8, moe={
             "num_experts": 8, "top_k": 2, "ffn_hidden_size": 2048, "score_function": "sigmoid"}), TRAIN,
         {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 4, 1, 8), (["gpu-1"], 4, 1, 8)], ep=8)}),
+    "moe: GELU experts, sequence aux loss, z-loss, scaled top-k": (
+        dict(PRESETS["llama2-7b"].to_dict(), num_layers=8, activation="gelu", moe={
+            "num_experts": 8, "top_k": 2, "ffn_hidden_size": 2048, "aux_loss_coeff": 0.001,
+            "aux_loss_type": "sequence", "z_loss_coeff": 0.001, "topk_scaling_factor": 2.5}), TRAIN,
+        {"micro_batch_size": 8, "stages": _stages([(["gpu-0"], 4, 1, 8), (["gpu-1"], 4, 1, 8)], ep=4)}),
 }
 
 
@@ -151,3 +157,18 @@ def test_moe_capacity_factor_round_trips_as_an_approximation(tmp_path):
     # Which tokens over capacity Megatron drops is not guaranteed to be the latest (see moe.py).
     assert {e.key for e in result.report.entries if e.disposition == "approximated"} == {
         "--moe-expert-capacity-factor", "--moe-token-drop-policy"}
+
+
+def test_moe_sinkhorn_routing_round_trips_as_an_approximation(tmp_path):
+    model, train, plan = CASES["moe: sigmoid scores, no aux loss"]
+    moe = {"num_experts": 8, "top_k": 1, "ffn_hidden_size": 2048, "sinkhorn": True, "normalize_top_k": False}
+    job = _job(dict(model, moe=moe), train, plan)
+    script = tmp_path / "train.sh"
+    script.write_text(export_megatron(job).to_script())
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"cluster": TWO_NODES}))
+    result = import_megatron(script, ImportOptions(cluster=cluster))
+    assert result.job.model == job.model
+    # Megatron balances each rank's tokens, heteroflow the micro-batch's (see moe.py).
+    assert {e.key for e in result.report.entries if e.disposition == "approximated"} == {
+        "--moe-router-load-balancing-type"}

@@ -171,7 +171,8 @@ def test_unknown_flags_are_reported_not_dropped(tmp_path):
 
 
 @pytest.mark.parametrize("args, feature", [
-    ("--num-experts 8 --moe-router-topk 2", "mixture-of-experts: experts with a GELU MLP (--num-experts 8)"),
+    ("--swiglu --num-experts 8 --moe-router-enable-expert-bias --moe-router-score-function sigmoid",
+     "mixture-of-experts: aux-loss-free routing with a learnt per-expert bias"),
     ("--multi-latent-attention --q-lora-rank 64", "multi-latent attention"),
     ("--squared-relu", "squared-ReLU MLP activation"),
     ("--position-embedding-type rope --rotary-percent 0.5", "partial rotary embeddings"),
