@@ -29,13 +29,15 @@ def stage_table(records: list[dict]) -> str | None:
         header += [f"s{stage['stage']} pred", "meas", "ratio"]
     rows = [header]
     for key in ROWS:
-        row = [key.removesuffix("_s")]
+        row, seen = [key.removesuffix("_s")], False
         for k in range(len(stages)):
             measured = statistics.fmean(r["stages"][k]["measured"][key] for r in used)
             predicted = [r["stages"][k].get("predicted", {}).get(key) for r in used]
             pred = statistics.fmean(predicted) if None not in predicted else None
             row += [_seconds(pred), _seconds(measured), _ratio(measured, pred)]
-        rows.append(row)
+            seen = seen or measured > 0 or bool(pred)
+        if seen or key == "step_s":  # a part no stage has (the all-to-all of a dense model) is left out
+            rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]

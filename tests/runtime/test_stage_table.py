@@ -39,3 +39,12 @@ def test_the_table_leaves_out_the_warm_up_and_divides_measured_by_predicted():
 
 def test_no_table_without_stage_figures():
     assert stage_table([{"step": 0}]) is None
+
+
+def test_a_part_no_stage_has_is_left_out():
+    records = [_record(step, 1.0) for step in range(4)]
+    for record in records:
+        for stage in record["stages"]:
+            stage["measured"]["alltoall_s"] = stage["predicted"]["alltoall_s"] = 0.0  # a dense model
+    rows = [line.split()[0] for line in stage_table(records).splitlines()[2:]]
+    assert "alltoall" not in rows and "forward" in rows and rows[-1] == "step"
