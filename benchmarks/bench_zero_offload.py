@@ -29,14 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from heteroflow.config import parse_job  # noqa: E402
 from heteroflow.offload.optimizer import ADAM_ENV  # noqa: E402
 from heteroflow.runtime.metrics import read_step_records  # noqa: E402
-from heteroflow.runtime.worker import WorkerArgs, run_worker  # noqa: E402
-from heteroflow.testing import run_ranks  # noqa: E402
+from heteroflow.runtime.worker import WorkerArgs  # noqa: E402
+from heteroflow.testing.training import run_training  # noqa: E402
 
 SETTINGS = {"zero0-cpu": (0, {"optimizer": "cpu"}), "zero1-cpu": (1, {"optimizer": "cpu"}), "zero1-device": (1, {})}
-
-
-def _rank(rank: int, world_size: int, args: WorkerArgs):
-    return run_worker(args)
 
 
 def run(setting: str, *, steps: int, tmp: Path) -> tuple[float, list[int]]:
@@ -51,7 +47,7 @@ def run(setting: str, *, steps: int, tmp: Path) -> tuple[float, list[int]]:
     metrics = tmp / f"{setting}.jsonl"
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=str(tmp / "data"),
                       show_progress=False, timeout_s=600, metrics_path=str(metrics))
-    results = run_ranks(_rank, 2, args, timeout_s=900, env={ADAM_ENV: "torch"})
+    results = run_training(args, timeout_s=900, env={ADAM_ENV: "torch"})
     times = [r["step_time_s"] for r in read_step_records(metrics)][1:]
     held = [r.offload["optimizer_tier_bytes"] if r.offload else 0 for r in results]
     return statistics.median(times), held

@@ -66,26 +66,30 @@ def _moe_ffn_params_per_rank(model: ModelShape, tp: int, ep: int, etp: int) -> t
     return outside, routed_expert_params_per_rank(model, ep=ep, etp=etp)
 
 
-def mlp_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
-    """Parameters of one block's FFN on one rank, every local expert counted (memory, gradients, optimizer):
-    the dense MLP split over tp, or a MoE layer's (`_moe_ffn_params_per_rank` under expert parallelism `ep` and
-    expert tensor parallelism `etp`, None: tp), or the larger of the two when the model has both kinds."""
+def _priced_ffn_params(model: ModelShape, tp: int, ep: int, etp: int | None) -> tuple[float, float]:
+    """(FFN parameters, the routed experts' part of them) of one block on one rank, for the layer kind a block is
+    priced at: the dense MLP split over tp; a MoE layer (`_moe_ffn_params_per_rank`) when every block is MoE;
+    with both kinds in the model, the costlier."""
     dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
     if model.moe is None:
-        return dense
-    moe = sum(_moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp))
-    return max(dense, moe) if has_dense_layers(model) else moe
+        return dense, 0.0
+    outside, routed = _moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp)
+    if has_dense_layers(model) and dense > outside + routed:
+        return dense, 0.0
+    return outside + routed, routed
+
+
+def mlp_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
+    """Parameters of one block's FFN on one rank, every local expert counted (memory, gradients, optimizer), under
+    expert parallelism `ep` and expert tensor parallelism `etp` (None: tp); see `_priced_ffn_params`."""
+    return _priced_ffn_params(model, tp, ep, etp)[0]
 
 
 def expert_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:
     """The routed experts' share of `layer_params_per_rank`: the parameters whose gradients are reduced (and whose
     ZeRO state is sharded) over the expert-dp group rather than dp; 0 for a dense model, or when a dense layer
     is the costlier kind the block is priced at."""
-    if model.moe is None:
-        return 0.0
-    outside, routed = _moe_ffn_params_per_rank(model, tp, ep, tp if etp is None else etp)
-    dense = mlp_matrices(model) * model.hidden_size * model.ffn_hidden_size / tp
-    return routed if outside + routed >= dense or not has_dense_layers(model) else 0.0
+    return _priced_ffn_params(model, tp, ep, etp)[1]
 
 
 def layer_params_per_rank(model: ModelShape, tp: int, *, ep: int = 1, etp: int | None = None) -> float:

@@ -26,6 +26,7 @@ from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs, run_worker
 from heteroflow.stagemap.memory import memory_model
 from heteroflow.testing import run_ranks
+from heteroflow.testing.training import assemble_weights
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "host", "device": "cpu", "count": 4}]}
@@ -117,11 +118,8 @@ def runs(tmp_path_factory):
 
 
 def _weights(results) -> dict[str, torch.Tensor]:
-    full: dict[str, torch.Tensor] = {}
-    for result, *_ in results:
-        for name, (local, shard) in result.state.items():
-            shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
-    return full
+    """The assembled weights of a run whose ranks also returned what they observed."""
+    return assemble_weights([result for result, *_ in results])
 
 
 @pytest.mark.slow

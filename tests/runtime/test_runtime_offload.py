@@ -21,6 +21,7 @@ from heteroflow.offload.swap import SCRATCH_MARKER, SWAP_PREFIX
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs, run_worker
 from heteroflow.testing import MultiprocError, run_ranks
+from heteroflow.testing.training import assemble_weights
 
 STEPS = 4
 GIB = 2**30
@@ -103,11 +104,8 @@ def runs(tmp_path_factory):
 
 
 def _weights(results) -> dict[str, torch.Tensor]:
-    full: dict[str, torch.Tensor] = {}
-    for result, _ in results:
-        for name, (local, shard) in result.state.items():
-            shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
-    return full
+    """The assembled weights of a cached run (its results paired with its swap file names)."""
+    return assemble_weights([result for result, _ in results])
 
 
 @pytest.mark.slow

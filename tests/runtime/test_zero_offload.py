@@ -13,9 +13,9 @@ from heteroflow.config import parse_job
 from heteroflow.offload.optimizer import ADAM_ENV
 from heteroflow.runtime.metrics import read_step_records
 from heteroflow.runtime.reference import train_reference
-from heteroflow.runtime.worker import WorkerArgs, run_worker
+from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.stagemap.memory import memory_parts, offloaded_optimizer_bytes
-from heteroflow.testing import run_ranks
+from heteroflow.testing.training import assemble_weights, run_training
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "a", "device": "cpu", "count": 4}]}
@@ -39,10 +39,6 @@ def _plan(name: str) -> dict:
     return {"schedule": "1f1b", "micro_batch_size": 4, "stages": stages}
 
 
-def _rank(rank: int, world_size: int, args: WorkerArgs):
-    return run_worker(args)
-
-
 def _run(name: str, *, data_dir: str, tmp: Path, steps: int = STEPS, train: dict | None = None,
          resume: bool = False, metrics: Path | None = None, env: dict | None = None):
     job = parse_job({"cluster": CLUSTER, "model": MODEL, "plan": _plan(name),
@@ -50,7 +46,7 @@ def _run(name: str, *, data_dir: str, tmp: Path, steps: int = STEPS, train: dict
     args = WorkerArgs(job=job, plan=job.plan, emulate=True, steps=steps, data_dir=data_dir, return_state=True,
                       show_progress=False, timeout_s=300, resume=resume,
                       metrics_path=str(metrics) if metrics else None)
-    return job, run_ranks(_rank, job.plan.num_devices, args, timeout_s=600, env={ADAM_ENV: "torch", **(env or {})})
+    return job, run_training(args, timeout_s=600, env={ADAM_ENV: "torch", **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +67,12 @@ def runs(tmp_path_factory):
     return get
 
 
-def _weights(results) -> dict[str, torch.Tensor]:
-    full: dict[str, torch.Tensor] = {}
-    for result in results:
-        for name, (local, shard) in result.state.items():
-            shard.take(full.setdefault(name, torch.zeros(shard.full_shape))).copy_(local)
-    return full
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["A", "T"])
 def test_zero_offload_trains_bit_for_bit_like_the_same_zero_on_the_device(runs, variant):
     offloaded, base = runs(variant), runs(f"{variant}-none")
     assert offloaded[0].losses == base[0].losses
-    want, got = _weights(base), _weights(offloaded)
+    want, got = assemble_weights(base), assemble_weights(offloaded)
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -100,7 +88,7 @@ def test_zero_offload_reproduces_the_single_process_losses(runs, variant):
     for got, want in zip(results[0].losses, ref_losses, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
     assert results[0].losses[-1] < results[0].losses[0]
-    weights = _weights(results)
+    weights = assemble_weights(results)
     for n, want in ref_weights.items():
         torch.testing.assert_close(weights[n], want, rtol=1e-5, atol=1e-5, msg=n)
 
