@@ -1,17 +1,19 @@
 """What `train --emulate` pays on this host beyond the measured rates: the `emulation` section of a profile.
 
 Measured as a training step meets it:
-- `busy_latency_s`: two one-thread processes over gloo that each compute a block's worth of GEMMs between
-  all-reduces of one element, as the tp ranks of a stage do (the median wall time, per ring step): an
-  all-reduce then also waits for the partner to arrive and to get a core. Measured at one process per core:
-  with more, filled by processes that compute without pause, the wait grows far beyond what training ranks
-  (which block on their neighbours much of the time) meet; more ranks than cores are priced by processor
-  sharing and the slowdown below. The bandwidth stays the idle link's (`link.allreduce_gb_per_s`): the wait is
-  per transfer, not per byte;
+- `busy_latency_s`: pairs of one-thread processes over gloo that each compute a block's worth of GEMMs between
+  all-reduces of one element, as the tp ranks of a stage do (the median wall time, per ring step), at 1, 2 and
+  4 processes per core (2 and 4 unless quick), every process one of such a pair: an all-reduce then also
+  waits for the partner to arrive and to get a core, and the more processes share a core, the longer. The
+  other processes block on their partners too, as training ranks do, so the wait is what a training step
+  meets (filler processes that compute without pause would make it far longer). The bandwidth stays the idle
+  link's (`link.allreduce_gb_per_s`): the wait is per transfer, not per byte;
 - `oversubscribed_slowdown`: the CPU time of a fixed amount of one-thread forward and backward work done by 2
   (and 4, unless quick) processes per core at once, over the same work's CPU time alone: context switches and
   caches shared between more processes than cores (CPU time, so other jobs' load on a shared machine, which
-  only delays the work, does not count; processor sharing prices the delay).
+  only delays the work, does not count; processor sharing prices the delay);
+- `thread_speedup`: how much faster one process runs heteroflow's real block with all the host's cores as
+  torch threads than with one (`measure.thread.measure_thread_speedup`): what a rank with several threads gets.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import time
 
 from heteroflow.errors import UserError
+from heteroflow.measure.thread import measure_thread_speedup
 from heteroflow.stagemap.profile import EmulationProfile
 
 _WORK_SHAPE = (384, 192, 512)
@@ -33,24 +36,31 @@ def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0) -> Emula
     per_core = (1, 2) if quick else (1, 2, 4)  # processes per core of the CPU-time phases (1: alone)
     results = _run_children(max(per_core) * cores, _child, (per_core, cores, 8 if quick else 30, 10 if quick else 40),
                             timeout_s)
-    (latency,), alone = results[0][0], results[0][1][0]
+    alone = results[0][1][0]
     slowdown = tuple((float(k), max(1.0, statistics.median(r[1][i] for r in results[:k * cores]) / alone))
                      for i, k in enumerate(per_core) if k > 1)
-    return EmulationProfile(busy_latency_s=((1.0, latency / 2),), oversubscribed_slowdown=slowdown)
+    # one ring step of a two-rank all-reduce is half its time; the curve never falls as processes are added
+    latency, busy = 0.0, []
+    for i, k in enumerate(per_core):
+        latency = max(latency, statistics.median(r[0][i] for r in results[:max(2, k * cores)]) / 2)
+        busy.append((float(k), latency))
+    speedup = ((float(cores), measure_thread_speedup(cores, rounds=2 if quick else 5)),) if cores > 1 else ()
+    return EmulationProfile(busy_latency_s=tuple(busy), oversubscribed_slowdown=slowdown,
+                            thread_speedup=speedup)
 
 
 def _run_children(n: int, target, args: tuple, timeout_s: float) -> list:
-    """Start `n` spawned processes running `target(rank, n, port, queue, barrier, stop, *args)`; their results in
+    """Start `n` spawned processes running `target(rank, n, port, queue, barrier, *args)`; their results in
     rank order (a user error when one fails or the whole takes longer than `timeout_s`)."""
     import socket
 
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
-    queue, barrier, stop = ctx.Queue(), ctx.Barrier(n), ctx.Event()
+    queue, barrier = ctx.Queue(), ctx.Barrier(n)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=target, args=(rank, n, port, queue, barrier, stop, *args), daemon=True)
+    procs = [ctx.Process(target=target, args=(rank, n, port, queue, barrier, *args), daemon=True)
              for rank in range(n)]
     for p in procs:
         p.start()
@@ -86,18 +96,19 @@ def _work_tensors(torch):
             torch.randn(hidden, ffn, requires_grad=True))
 
 
-def _child(rank: int, n: int, port: int, queue, barrier, stop, per_core: tuple[int, ...], cores: int, rounds: int,
+def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ...], cores: int, rounds: int,
            calls: int) -> None:
-    """Ranks 0 and 1 time all-reduces between bursts of work while ranks 2 .. cores - 1 compute until they are
-    done; rank 0 times `calls` work units alone in CPU time, then, for each k of `per_core` above 1, ranks
-    0 .. k x cores - 1 do at once. Ranks outside a phase wait on the barrier, using no core. Reports
-    (latencies, CPU seconds)."""
+    """For each k of `per_core`: ranks 0 .. k x cores - 1 (at least 0 and 1), in pairs (0, 1), (2, 3), ..., time
+    all-reduces with their partner between bursts of work; then rank 0 times `calls` work units alone in CPU
+    time, and for each k above 1, ranks 0 .. k x cores - 1 do at once. Ranks outside a phase wait on the
+    barrier, using no core. Reports (median latency per phase, CPU seconds per phase)."""
     try:
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-        pair = dist.new_group([0, 1])
+        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(n // 2)]  # every rank creates every group
+        pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
         shapes = _work_tensors(torch)
         one = torch.zeros(1)
         _work(torch, shapes)
@@ -118,17 +129,12 @@ def _child(rank: int, n: int, port: int, queue, barrier, stop, per_core: tuple[i
                 _work(torch, shapes)
             return time.thread_time() - start
 
+        latencies = []
+        for k in per_core:
+            barrier.wait()
+            latencies.append(busy_all_reduce() if rank < max(2, k * cores) and pair is not None else 0.0)
         barrier.wait()
         seconds = [cpu_seconds() if rank == 0 else 0.0]
-        latencies = []
-        barrier.wait()
-        if rank < 2:
-            latencies.append(busy_all_reduce())
-            if rank == 0:
-                stop.set()
-        elif rank < cores:
-            while not stop.is_set():
-                _work(torch, shapes)
         barrier.wait()
         for k in per_core[1:]:
             seconds.append(cpu_seconds() if rank < k * cores else 0.0)

@@ -15,6 +15,7 @@ Each figure is the median of five rounds that each measure everything once (one 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -139,10 +140,11 @@ REFERENCE_IN_FLIGHT = 4
 """Micro-batches whose activations the reference measurement holds at once, as a pipeline stage does."""
 
 
-def _reference_block_s(torch, dtype, budget_s: float) -> tuple[float, float]:
+def _reference_block_s(torch, dtype, budget_s: float, clock=time.thread_time) -> tuple[float, float]:
     """(forward, backward) seconds of heteroflow's real block at the `REFERENCE_BLOCK` shape, run as a
     pipeline stage runs it: the forwards of `REFERENCE_IN_FLIGHT` micro-batches keep their activations until
-    the backwards (fresh memory for each, unlike a loop over one input, which reuses the same buffers)."""
+    the backwards (fresh memory for each, unlike a loop over one input, which reuses the same buffers).
+    Timed by `clock` (thread CPU time unless told)."""
     from heteroflow.models.llama import Block
     shape = dict(REFERENCE_BLOCK)
     batch = shape.pop("micro_batch_size")
@@ -154,13 +156,13 @@ def _reference_block_s(torch, dtype, budget_s: float) -> tuple[float, float]:
     calls = 0
     while calls < 2 or forward_s + backward_s < 2 * budget_s:
         inputs = [torch.randn(*grad.shape, requires_grad=True) for _ in range(REFERENCE_IN_FLIGHT)]
-        start = time.thread_time()
+        start = clock()
         with autocast:
             outputs = [blocks(x) for x in inputs]
-        middle = time.thread_time()
+        middle = clock()
         for y in outputs:
             y.backward(grad)
-        end = time.thread_time()
+        end = clock()
         blocks.zero_grad(set_to_none=True)
         if calls > 0:  # the first round is a warm-up
             forward_s, backward_s = forward_s + middle - start, backward_s + end - middle
@@ -197,3 +199,21 @@ def _elementwise_only(block, torch):
                 setattr(module, name, torch.nn.Identity())
     block.attn.core = QueriesOnly()
     return block
+
+
+def measure_thread_speedup(threads: int, *, rounds: int = 5, budget_s: float = 0.1) -> float:
+    """How much faster this process runs the fp32 reference block (forward and backward) with `threads` torch
+    threads than with one, in wall time: the best of `rounds` rounds of each, alternated (other jobs on a shared
+    host only ever slow a round down, and stall several threads far more than one). Between 1 and `threads`:
+    on a host to itself, torch leaves a thread idle rather than run slower with it."""
+    import torch
+    previous = torch.get_num_threads()
+    best = {1: math.inf, threads: math.inf}
+    try:
+        for _ in range(rounds):
+            for n in best:
+                torch.set_num_threads(n)
+                best[n] = min(best[n], sum(_reference_block_s(torch, torch.float32, budget_s, time.perf_counter)))
+    finally:
+        torch.set_num_threads(previous)
+    return min(float(threads), max(1.0, best[1] / best[threads]))

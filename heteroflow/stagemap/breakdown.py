@@ -14,8 +14,8 @@ parts the runtime measures (`runtime.timing`), so that a metrics record can set 
   all-gather and any offload traffic);
 - `sync_s`: waiting for the slowest stage's tail (the global gradient norm synchronizes the stages).
 
-Every stage's parts sum to the step time. Emulated, each operation runs as long as the shared-core
-simulation says, and its parts keep their priced proportions.
+Every stage's parts sum to the step time. Emulated, each operation computes as long as the shared-core
+simulation says; its transfers and collectives block without a core and take their priced time.
 """
 
 from __future__ import annotations
@@ -69,27 +69,30 @@ def step_breakdown(parts: list[MicroBatchParts], recv_forward: list[float], recv
     oversubscribed)`: stage k's ranks keep `threads[k]` threads busy and all share `cores` cores, slowed by the
     host's measured oversubscription (`pipeline.sharing_speed`; emulation)."""
     m = num_micro_batches
-    fwd = [p.forward_s + p.forward_comm_s + p.forward_alltoall_s + r for p, r in zip(parts, recv_forward)]
-    bwd = [p.backward_s + p.backward_comm_s + p.backward_alltoall_s + r for p, r in zip(parts, recv_backward)]
+    fwd_wait = [p.forward_comm_s + p.forward_alltoall_s + r for p, r in zip(parts, recv_forward)]
+    bwd_wait = [p.backward_comm_s + p.backward_alltoall_s + r for p, r in zip(parts, recv_backward)]
+    fwd = [p.forward_s + w for p, w in zip(parts, fwd_wait)]
+    bwd = [p.backward_s + w for p, w in zip(parts, bwd_wait)]
     tails = [p.dp_s + p.optimizer_s for p in parts]
-    if shared is not None:
+    if shared is not None:  # computing shares the cores; blocking transfers take none and are not slowed
         threads, cores, oversubscribed = shared
-        run = run_shared(fwd, bwd, m, schedule, threads=threads, cores=cores, oversubscribed=oversubscribed)
-        pipe, fwd_wall, bwd_wall = run.makespan_s, run.forward_wall_s, run.backward_wall_s
+        run = run_shared(fwd, bwd, m, schedule, threads=threads, cores=cores, oversubscribed=oversubscribed,
+                         waits=(fwd_wait, bwd_wait))
+        pipe = run.makespan_s
+        f_scale = [_scale(w, p.forward_s) for w, p in zip(run.forward_wall_s, parts)]
+        b_scale = [_scale(w, p.backward_s) for w, p in zip(run.backward_wall_s, parts)]
         tail_wall = shared_ends(tails, threads=threads, cores=cores, oversubscribed=oversubscribed)
     else:
         pipe = pipeline_time(fwd, bwd, m, schedule)
-        fwd_wall, bwd_wall, tail_wall = [m * f for f in fwd], [m * b for b in bwd], tails
+        f_scale, b_scale, tail_wall = [float(m)] * len(parts), [float(m)] * len(parts), tails
     step = pipe + max(tail_wall, default=0.0)
     stages = []
     for k, p in enumerate(parts):
-        f, b = _scale(fwd_wall[k], fwd[k]), _scale(bwd_wall[k], bwd[k])
-        t = _scale(tail_wall[k], tails[k])
-        busy = ((p.forward_s + p.forward_comm_s + p.forward_alltoall_s) * f
-                + (p.backward_s + p.backward_comm_s + p.backward_alltoall_s) * b)
+        f, b, t = f_scale[k], b_scale[k], _scale(tail_wall[k], tails[k])
+        collective, alltoall = m * (p.forward_comm_s + p.backward_comm_s), m * (p.forward_alltoall_s + p.backward_alltoall_s)
+        busy = p.forward_s * f + p.backward_s * b + collective + alltoall  # the transfers received count as waiting
         stages.append(StageTimes(forward_s=p.forward_s * f, backward_s=p.backward_s * b,
-                                 collective_s=p.forward_comm_s * f + p.backward_comm_s * b,
-                                 alltoall_s=p.forward_alltoall_s * f + p.backward_alltoall_s * b,
+                                 collective_s=collective, alltoall_s=alltoall,
                                  wait_s=pipe - busy, dp_s=p.dp_s * t, optimizer_s=p.optimizer_s * t,
                                  sync_s=step - pipe - tail_wall[k]))
     return StepBreakdown(pipeline_s=pipe, step_s=step, stages=tuple(stages))

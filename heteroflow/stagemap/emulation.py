@@ -3,14 +3,15 @@
 Emulation (`emulate=True`): every device is priced as one local CPU process with the threads the launcher
 gives it (`threads_per_process`: the host's cores split between the ranks, at least one each), as if it ran
 alone. With the profile's `cpu_thread`: one thread's GEMM and attention rates and elementwise rate, times
-the rank's threads, divided by `in_block_slowdown` (how much slower the measured real block ran than those
-rates predict), plus the measured per-block overhead. Without it: the measured or catalog whole-machine
+what that many threads measured on the real block (`emulation.thread_speedup`; else the thread count),
+divided by `in_block_slowdown` (how much slower the measured real block ran than those rates predict), plus
+the measured per-block overhead. Without it: the measured or catalog whole-machine
 rates, split evenly between the cores. The ranks then share the cores: the pipeline is timed by
 `pipeline.simulate_shared` (processor sharing, slowed by the profile's measured oversubscription), not by the
 closed form. With a profile each rank gets 1/num_ranks of the host memory; every link is the measured local
 link, and each collective's ring step and each stage boundary transfer waits what the profile's `emulation`
-section measured while both sides compute with as many processes per core as the plan has ranks (gloo's
-all-reduce between busy processes), not the idle link's latency.
+section measured between busy processes at the step's mean computing processes per core (`estimate.evaluate_plan`
+prices an emulated plan again at the load its own timeline shows), not the idle link's latency.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ from heteroflow.stagemap.calibration import Calibration, apply_factors
 from heteroflow.stagemap.compute import layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware, apply_measurements, device_model, threads_per_process
 from heteroflow.stagemap.memory import dtype_bytes
-from heteroflow.stagemap.profile import REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile, per_core_value
+from heteroflow.stagemap.profile import (REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile, per_core_value,
+                                         thread_speedup)
 
 
 def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: float, *,
                    profile: Profile | None = None, emulate: bool = False, num_ranks: int = 1,
-                   cores: int = 1, calibration: Calibration | None = None) -> Hardware:
+                   cores: int = 1, calibration: Calibration | None = None,
+                   busy_per_core: float | None = None) -> Hardware:
     """Device models for every device type of a cluster, one per precision it can train in
     (`DeviceSpec.supports`; a stage is priced at its own precision). Emulated: `num_ranks` local processes on a
-    host with `cores` cores, each device type priced as the local CPU computing in that precision. A
+    host with `cores` cores, each device type priced as the local CPU computing in that precision, its
+    transfers waiting as at `busy_per_core` computing processes per core (default: the ranks per core). A
     `calibration` fitted in the same mode (emulated or not) scales each device type's rates."""
     models: dict[str, dict[str, DeviceModel]] = {}
     if calibration is not None and not calibration.applies(emulate=emulate):
@@ -50,10 +54,12 @@ def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: flo
         for p in PRECISIONS:
             if spec.supports(p):
                 if p not in local:
-                    local[p] = emulated_device(p, profile=profile, num_ranks=num_ranks, cores=cores)
+                    local[p] = emulated_device(p, profile=profile, num_ranks=num_ranks, cores=cores,
+                                               busy_per_core=busy_per_core)
                 models.setdefault(name, {})[p] = replace(local[p], name=name, vendor=spec.vendor)
     models = {name: _calibrated(found, name, calibration) for name, found in models.items()}
-    link = local.get("fp32") or emulated_device("fp32", profile=profile, num_ranks=num_ranks, cores=cores)
+    link = local.get("fp32") or emulated_device("fp32", profile=profile, num_ranks=num_ranks, cores=cores,
+                                                busy_per_core=busy_per_core)
     measured = profile.emulation if profile is not None else None
     return Hardware(models=models, inter_node_gb_per_s=link.intra_node_gb_per_s,
                     inter_latency_s=link.intra_latency_s, emulate=True, cores=max(1, cores),
@@ -68,9 +74,11 @@ def _calibrated(models: dict[str, DeviceModel], name: str,
     return {p: apply_factors(m, calibration.for_device(name)) for p, m in models.items()}
 
 
-def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, cores: int) -> DeviceModel:
+def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, cores: int,
+                    busy_per_core: float | None = None) -> DeviceModel:
     """One of `num_ranks` local CPU processes on a `cores`-core host, as if it ran alone with its threads
-    (sharing the cores with the other ranks is left to the pipeline simulation)."""
+    (sharing the cores with the other ranks is left to the pipeline simulation); its transfers wait as the
+    profile measured at `busy_per_core` computing processes per core (default: `num_ranks / cores`)."""
     base = device_model(CATALOG["cpu"], precision)
     assert base is not None
     ranks, cores = max(1, num_ranks), max(1, cores)
@@ -85,7 +93,7 @@ def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, 
     busy = profile.emulation if profile is not None else None
     if busy is not None and busy.busy_latency_s:  # blocking transfers wait as a training step meets them
         gb_per_s, _ = base.collective_link()
-        latency = per_core_value(busy.busy_latency_s, ranks / cores)
+        latency = per_core_value(busy.busy_latency_s, ranks / cores if busy_per_core is None else busy_per_core)
         base = replace(base, collective_gb_per_s=gb_per_s, collective_latency_s=latency, intra_latency_s=latency)
     thread = profile.cpu_thread if profile is not None else None
     if thread is not None and thread.gemm_tflops.get(precision) and thread.elementwise_gb_per_s > 0:
@@ -96,8 +104,8 @@ def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, 
                       measured=DeviceProfile(device_type="cpu", vendor="cpu", gemm_tflops={precision: gemm}),
                       peak_tflops=max(r for _, r in gemm), hbm_gb_per_s=thread.elementwise_gb_per_s,
                       attention_tflops=thread.attention_tflops.get(precision, ()), block_overhead_s=overhead)
-        # The rank's threads times one thread's rates (kernels assumed to scale), at the in-block level.
-        speed = threads / in_block_slowdown(one, thread, precision)
+        # One thread's rates times what the rank's threads measured on the real block, at the in-block level.
+        speed = thread_speedup(busy, threads) / in_block_slowdown(one, thread, precision)
         bandwidth = thread.elementwise_gb_per_s * speed
         return replace(one, share=speed, hbm_gb_per_s=bandwidth, host_link_gb_per_s=bandwidth,
                        host_memory_gb_per_s=bandwidth)

@@ -18,7 +18,7 @@ from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.emulation import build_hardware
-from heteroflow.stagemap.hardware import Hardware
+from heteroflow.stagemap.hardware import Hardware, threads_per_process
 from heteroflow.stagemap.memory import GIB, dtype_bytes
 from heteroflow.stagemap.breakdown import StageTimes, step_breakdown
 from heteroflow.stagemap.pipeline import in_flight
@@ -137,13 +137,14 @@ UNCALIBRATED = Calibration(factors={}, num_runs=0)
 
 
 def job_hardware(job: JobConfig, profile: Profile | None, *, emulate: bool = False, num_ranks: int = 1,
-                 calibration: Calibration | None = None) -> Hardware:
+                 calibration: Calibration | None = None, busy_per_core: float | None = None) -> Hardware:
     """Device models of the job's cluster, per precision (emulated: `num_ranks` processes on the profiled
-    host, or on this machine when there is no profile), scaled by `calibration` (already resolved)."""
+    host, or on this machine when there is no profile, their transfers waiting as at `busy_per_core`
+    computing processes per core), scaled by `calibration` (already resolved)."""
     cores = profile.host.cpu_cores if profile is not None else (os.cpu_count() or 1)
     return build_hardware(job.cluster.device_types, job.cluster.inter_node_gb_per_s,
                           profile=profile, emulate=emulate, num_ranks=num_ranks, cores=cores,
-                          calibration=calibration)
+                          calibration=calibration, busy_per_core=busy_per_core)
 
 
 def stage_hardware(job: JobConfig, hardware: Hardware, stage: StageSpec) -> tuple[StageHardware, frozenset[str]]:
@@ -171,14 +172,41 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
     """
     profile = resolve_profile(job, profile)
     calibration = resolve_calibration(job, calibration)
-    hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices, calibration=calibration)
+    estimate = _priced(job, plan, profile, emulate, calibration, None)
+    if emulate and profile is not None and profile.emulation is not None and len(profile.emulation.busy_latency_s) > 1:
+        # A blocked transfer waits longer the more processes compute on each core, which the step's own
+        # timeline says: price again with the waits at its mean computing load until that settles.
+        cores = max(1, profile.host.cpu_cores)
+        for _ in range(LOAD_ITERATIONS):
+            load = computing_per_core(estimate, cores, threads_per_process(cores, plan.num_devices))
+            estimate, previous = _priced(job, plan, profile, emulate, calibration, load), estimate
+            if abs(estimate.step_time_s - previous.step_time_s) <= 1e-3 * previous.step_time_s:
+                break
+    return replace(estimate, calibration=calibration.note(emulate=emulate) if calibration is not None else None)
+
+
+LOAD_ITERATIONS = 4
+"""Re-pricings of an emulated plan at its own computing load (it settles in two or three)."""
+
+
+def computing_per_core(estimate: PlanEstimate, cores: int, threads_per_rank: int) -> float:
+    """Threads computing per core, averaged over an emulated step: each stage's ranks' threads times the share
+    of the step they compute (forward, backward, optimizer), over the host's cores."""
+    threads = sum(st.num_devices * threads_per_rank * (st.times.forward_s + st.times.backward_s + st.times.optimizer_s)
+                  for st in estimate.stages)
+    return threads / (estimate.step_time_s * cores) if estimate.step_time_s > 0 else 0.0
+
+
+def _priced(job: JobConfig, plan: PlanSpec, profile: Profile | None, emulate: bool,
+            calibration: Calibration | None, busy_per_core: float | None) -> PlanEstimate:
+    hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices, calibration=calibration,
+                            busy_per_core=busy_per_core)
     placed = [stage_hardware(job, hardware, s) for s in plan.stages]
     hws = [hw for hw, _ in placed]
     costs = [stage_costs(job.model, hw, s.layout, plan.micro_batch_size, hardware) for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
-    estimate = assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
-                        threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown)
-    return replace(estimate, calibration=calibration.note(emulate=emulate) if calibration is not None else None)
+    return assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
+                    threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown)
 
 
 def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageHardware, frozenset[str]]],

@@ -138,17 +138,21 @@ def sharing_speed(busy_threads: int, cores: int, oversubscribed: tuple[tuple[flo
 
 
 def simulate_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads: list[int],
-                    cores: int, oversubscribed: tuple[tuple[float, float], ...] = ()) -> float:
+                    cores: int, oversubscribed: tuple[tuple[float, float], ...] = (),
+                    waits: tuple[list[float], list[float]] | None = None) -> float:
     """Makespan of one step's forward and backward passes when stage k keeps `threads[k]` threads busy while
     it computes and all stages share `cores` cores (see the module docstring), at `sharing_speed`. F and B
-    include the receiver-paid transfer, as in `pipeline_time`."""
-    return run_shared(F, B, m, schedule, threads=threads, cores=cores, oversubscribed=oversubscribed).makespan_s
+    include the receiver-paid transfer, as in `pipeline_time`; `waits` = (forward, backward) seconds of each
+    stage's operation that it spends blocked in transfers and collectives (part of F and B): they take no core
+    and are not slowed by sharing."""
+    return run_shared(F, B, m, schedule, threads=threads, cores=cores, oversubscribed=oversubscribed,
+                      waits=waits).makespan_s
 
 
 @dataclass(frozen=True, slots=True)
 class SharedRun:
-    """`run_shared`'s result: the makespan and, per stage, the wall seconds its forwards and its backwards
-    ran (each slowed by the threads it shared the cores with)."""
+    """`run_shared`'s result: the makespan and, per stage, the wall seconds its forwards' and its backwards'
+    computing took (each slowed by the threads it shared the cores with; the waits not included)."""
 
     makespan_s: float
     forward_wall_s: tuple[float, ...]
@@ -156,14 +160,20 @@ class SharedRun:
 
 
 def run_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads: list[int],
-               cores: int, oversubscribed: tuple[tuple[float, float], ...] = ()) -> SharedRun:
-    """`simulate_shared`, also reporting how long each stage's operations ran in wall time."""
+               cores: int, oversubscribed: tuple[tuple[float, float], ...] = (),
+               waits: tuple[list[float], list[float]] | None = None) -> SharedRun:
+    """`simulate_shared`, also reporting how long each stage's operations computed in wall time. An operation
+    computes first, then waits (a stage's blocking transfers, taken together)."""
     p = len(F)
+    Fw, Bw = waits if waits is not None else ([0.0] * p, [0.0] * p)
     orders = [stage_actions(schedule, p, k, m) for k in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     position = [0] * p
     left: list[float | None] = [None] * p
-    """Seconds at full speed left of the operation stage k is running; None while it waits."""
+    """Seconds at full speed left of the computing of the operation stage k is running; None while it waits
+    for a neighbour."""
+    blocked = [0.0] * p
+    """Seconds left of the operation's blocking wait, once its computing is done."""
     wall = {FORWARD: [0.0] * p, BACKWARD: [0.0] * p}
     now = 0.0
     while True:
@@ -176,20 +186,26 @@ def run_shared(F: list[float], B: list[float], m: int, schedule: str, *, threads
                 else:
                     ready = (FORWARD, k, i) in done if k == p - 1 else (BACKWARD, k + 1, i) in done
                 if ready:
-                    left[k] = F[k] if kind == FORWARD else B[k]
+                    wait = Fw[k] if kind == FORWARD else Bw[k]
+                    left[k], blocked[k] = max(0.0, (F[k] if kind == FORWARD else B[k]) - wait), wait
         running = [k for k in range(p) if left[k] is not None]
         if not running:
             break
-        speed = sharing_speed(sum(threads[k] for k in running), cores, oversubscribed)
-        step = min(left[k] for k in running)
-        now += step / speed
+        computing = [k for k in running if left[k] > 0]
+        speed = sharing_speed(sum(threads[k] for k in computing), cores, oversubscribed) if computing else 1.0
+        step_wall = min([left[k] / speed for k in computing] + [blocked[k] for k in running if k not in computing])
+        now += step_wall
         for k in running:
-            left[k] -= step
-            wall[orders[k][position[k]].kind][k] += step / speed
-            if left[k] <= 1e-12 * max(1.0, step):
+            if left[k] > 0:
+                left[k] -= step_wall * speed
+                wall[orders[k][position[k]].kind][k] += step_wall
+                if left[k] <= 1e-12 * max(1.0, F[k] + B[k]):
+                    left[k] = 0.0
+            else:
+                blocked[k] -= step_wall
+            if left[k] == 0.0 and blocked[k] <= 1e-12 * max(1.0, F[k] + B[k]):
                 action = orders[k][position[k]]
-                kind, i = action.kind, action.micro_batch
-                done[(kind, k, i)] = now
+                done[(action.kind, k, action.micro_batch)] = now
                 position[k] += 1
                 left[k] = None
     assert all(position[k] == len(orders[k]) for k in range(p)), "schedule deadlocked"

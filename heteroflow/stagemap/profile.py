@@ -38,8 +38,9 @@ profile:
          allreduce_gb_per_s: 1.7, allreduce_latency_s: 6.5e-05}   # and all-reduce (version 2)
   disk: {path: /tmp, read_gb_per_s: 1.9, write_gb_per_s: 1.1, direct_io: true}
   emulation:                           # what `train --emulate` pays on this host beyond the rates (version 3)
-    busy_latency_s: [[1, 1.0e-03]]     # [processes per core, seconds per ring step] (measured at one a core)
+    busy_latency_s: [[1, 1.0e-03], [2, 1.6e-03], [4, 2.0e-03]]   # [processes per core, seconds per ring step]
     oversubscribed_slowdown: [[2, 1.1], [4, 1.2]]   # [processes per core, CPU time per unit of work / alone]
+    thread_speedup: [[2, 1.2]]         # [torch threads, the real block's speed over one thread's] (optional)
 ```
 """
 
@@ -160,12 +161,18 @@ class EmulationProfile:
 
     busy_latency_s: tuple[tuple[float, float], ...] = ()
     """(processes per core, seconds): per ring step of an all-reduce between two one-thread processes that compute
-    between all-reduces (as tp ranks do) while the host runs that many processes per core: the partner is late
-    or waits for a core. It replaces the idle link's latency for emulated transfers (`per_core_value`)."""
+    between all-reduces (as tp ranks do) while the host runs that many processes per core, every one of them such
+    a pair: the partner is late or waits for a core. It replaces the idle link's latency for emulated transfers
+    (`per_core_value` at the plan's ranks per core); these waits take no core (`pipeline.run_shared`)."""
     oversubscribed_slowdown: tuple[tuple[float, float], ...] = ()
     """(processes per core, slowdown): how much more CPU time a fixed amount of one-thread work takes in each of
     that many processes per core than alone (context switches, caches shared), ascending
     (`pipeline.sharing_speed` reads it)."""
+    thread_speedup: tuple[tuple[float, float], ...] = ()
+    """(torch threads, speedup): how much faster one process runs heteroflow's real block (the profile's reference
+    block, forward and backward) with that many threads than with one, in wall time on the host to itself (the
+    best of several rounds). Small kernels barely use a second thread; without it each thread is taken to add
+    one thread's rate (`thread_speedup`)."""
 
 
 
@@ -222,6 +229,8 @@ class Profile:
             e = self.emulation
             out["emulation"] = {"busy_latency_s": [[_r(r), _r(v)] for r, v in e.busy_latency_s],
                                 "oversubscribed_slowdown": [[_r(r), _r(v)] for r, v in e.oversubscribed_slowdown]}
+            if e.thread_speedup:
+                out["emulation"]["thread_speedup"] = [[_r(t), _r(v)] for t, v in e.thread_speedup]
         if self.cpu_thread is not None:
             t = self.cpu_thread
             out["cpu_thread"] = {
@@ -338,20 +347,31 @@ def _emulation(sec: Section) -> EmulationProfile | None:
     if es is None:
         return None
     out = EmulationProfile(busy_latency_s=_per_core_points(es, "busy_latency_s", minimum=1.0),
-                           oversubscribed_slowdown=_per_core_points(es, "oversubscribed_slowdown", minimum=1.0 + 1e-9))
+                           oversubscribed_slowdown=_per_core_points(es, "oversubscribed_slowdown", minimum=1.0 + 1e-9),
+                           thread_speedup=_per_core_points(es, "thread_speedup", minimum=2.0, what="torch threads"))
     es.finish()
     return out
 
 
-def _per_core_points(sec: Section, key: str, *, minimum: float) -> tuple[tuple[float, float], ...]:
+def _per_core_points(sec: Section, key: str, *, minimum: float,
+                     what: str = "processes per core") -> tuple[tuple[float, float], ...]:
     """`[[processes per core, value], ...]` (processes per core at least `minimum`), sorted; () when absent."""
     points = sec.sequence(key, []) or []
     if not all(isinstance(p, list) and len(p) == 2 and all(_positive_finite(v) for v in p) and p[0] >= minimum
                for p in points):
-        sec.problems.add(sec.at(key), f"expected a list of [processes per core (at least {minimum:.0f}), value] "
+        sec.problems.add(sec.at(key), f"expected a list of [{what} (at least {minimum:.0f}), value] "
                                       "pairs of finite positive numbers")
         return ()
     return tuple(sorted((float(r), float(v)) for r, v in points))
+
+
+def thread_speedup(emulation: EmulationProfile | None, threads: int) -> float:
+    """How much faster one process with `threads` torch threads runs than with one: linear between the measured
+    points (`EmulationProfile.thread_speedup`, from (1, 1.0)), the last one beyond them (the profiled host
+    had no more cores); `threads` itself when not measured."""
+    if emulation is None or not emulation.thread_speedup or threads <= 1:
+        return float(max(1, threads))
+    return per_core_value(((1.0, 1.0), *emulation.thread_speedup), threads)
 
 
 def per_core_value(points: tuple[tuple[float, float], ...], processes_per_core: float) -> float:

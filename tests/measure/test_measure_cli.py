@@ -31,8 +31,12 @@ def test_quick_profile_writes_a_profile_a_job_can_use(tmp_path):
     assert all(r > 0 for _, f, b in thread.attention_tflops["fp32"] for r in (f, b))
     assert all(f > 0 and b > 0 for f, b in thread.reference_block_s.values())
     busy = loaded.emulation  # what emulated ranks pay beyond those rates, measured as a step meets it
-    assert busy is not None and [r for r, _ in busy.busy_latency_s] == [1.0]
-    assert all(t > 0 for _, t in busy.busy_latency_s)
+    assert busy is not None and [r for r, _ in busy.busy_latency_s] == [1.0, 2.0]  # quick: 1 and 2 a core
+    latencies = [t for _, t in busy.busy_latency_s]
+    assert all(t > 0 for t in latencies) and latencies == sorted(latencies)  # more sharing never waits less
+    cores = loaded.host.cpu_cores
+    assert [t for t, _ in busy.thread_speedup] == ([float(cores)] if cores > 1 else [])
+    assert all(1.0 <= v <= cores for _, v in busy.thread_speedup)
     assert [r for r, _ in busy.oversubscribed_slowdown] == [2.0] and busy.oversubscribed_slowdown[0][1] >= 1.0
     # a job naming the profile is priced with it
     job = tmp_path / "job.yaml"

@@ -1,6 +1,6 @@
 """What emulated ranks pay beyond the measured rates (a profile's `emulation` section): blocking transfers wait
-the measured busy latency, and more threads than cores run slower than processor sharing by the measured
-slowdown."""
+the measured busy latency at the step's computing load and take no core, more threads than cores run slower
+than processor sharing by the measured slowdown, and a rank's threads give the measured speedup."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from heteroflow.errors import ConfigError
 from heteroflow.stagemap import evaluate_plan, load_profile, save_profile
 from heteroflow.stagemap.emulation import emulated_device
 from heteroflow.stagemap.pipeline import run_shared, sharing_speed
+from heteroflow.stagemap.estimate import computing_per_core
 from heteroflow.stagemap.profile import (DeviceProfile, EmulationProfile, HostProfile, LinkProfile, Profile,
-                                         ThreadProfile, per_core_value)
+                                         ThreadProfile, per_core_value, thread_speedup)
 
 BUSY = EmulationProfile(busy_latency_s=((1.0, 1e-3),), oversubscribed_slowdown=((2.0, 1.2), (4.0, 1.5)))
 
@@ -75,3 +76,67 @@ def test_blocking_transfers_wait_the_measured_busy_latency():
         assert b.times.collective_s > a.times.collective_s + 0.9 * 2 * 8 * 1e-3  # >= 8 all-reduces of 2 steps
         assert b.recv_forward_s >= a.recv_forward_s
     assert waited.stages[1].recv_forward_s == pytest.approx(idle.stages[1].recv_forward_s - 5e-5 + 1e-3)
+
+
+def test_a_wait_takes_no_core_and_is_not_slowed():
+    """Two one-thread stages on one core: stage 0's forward computes 1 s, then blocks 1 s in a collective; stage 1
+    then has the core to itself."""
+    plain = run_shared([2.0, 1.0], [1.0, 1.0], 1, "gpipe", threads=[1, 1], cores=1)
+    waiting = run_shared([2.0, 1.0], [1.0, 1.0], 1, "gpipe", threads=[1, 1], cores=1, waits=([1.0, 0.0], [0.0, 0.0]))
+    assert plain.makespan_s == pytest.approx(5.0)  # one stage busy at a time: the sum of the operations
+    assert waiting.makespan_s == pytest.approx(5.0)
+    assert waiting.forward_wall_s == pytest.approx((1.0, 1.0))  # computing only: the wait is not in it
+    # both computing at once: stage 0's last forward and stage 1's wait overlap the other's computing
+    both = run_shared([2.0, 2.0], [1.0, 1.0], 2, "1f1b", threads=[1, 1], cores=1, waits=([1.0, 1.0], [0.0, 0.0]))
+    unblocked = run_shared([2.0, 2.0], [1.0, 1.0], 2, "1f1b", threads=[1, 1], cores=1)
+    assert both.makespan_s < unblocked.makespan_s  # a blocked stage leaves its core to the other
+
+
+def test_the_waits_are_priced_at_the_steps_own_computing_load():
+    """The busy latency is read at the mean computing threads per core of the step, not at ranks per core."""
+    curve = replace(BUSY, busy_latency_s=((1.0, 1e-3), (2.0, 3e-3), (4.0, 7e-3)), oversubscribed_slowdown=())
+    job = parse_job({"cluster": {"nodes": [{"name": "n", "device": "cpu", "count": 8}]},
+                     "model": {"preset": "tiny-llama"}, "train": {"global_batch_size": 16, "precision": "fp32"},
+                     "plan": {"micro_batch_size": 4, "stages": [{"devices": ["n:0-3"], "layers": 4, "tp": 4},
+                                                                {"devices": ["n:4-7"], "layers": 4, "tp": 4}]}})
+    est = evaluate_plan(job, job.plan, profile=_profile(curve), emulate=True)
+    load = computing_per_core(est, 2, 1)
+    assert 0 < load < 8 / 2  # the ranks block part of the step: fewer compute at once than there are
+    at_load = emulated_device("fp32", profile=_profile(curve), num_ranks=8, cores=2, busy_per_core=load)
+    at_ranks = emulated_device("fp32", profile=_profile(curve), num_ranks=8, cores=2)
+    assert at_ranks.intra_latency_s == pytest.approx(7e-3)  # 4 ranks a core, without the step's timeline
+    assert at_load.intra_latency_s == pytest.approx(per_core_value(curve.busy_latency_s, load))
+    # the estimate settled: priced again at its own load, it is the same
+    again = computing_per_core(est, 2, 1)
+    assert again == pytest.approx(load)
+    one_point = evaluate_plan(job, job.plan, profile=_profile(replace(curve, busy_latency_s=((1.0, 7e-3),))),
+                              emulate=True)
+    assert one_point.step_time_s > est.step_time_s  # waits at 7 ms throughout cost more than at the load
+
+
+def test_a_ranks_threads_give_the_measured_speedup():
+    measured = replace(BUSY, thread_speedup=((2.0, 1.25),))
+    assert thread_speedup(measured, 2) == 1.25 and thread_speedup(measured, 1) == 1.0
+    assert thread_speedup(measured, 8) == 1.25  # the profiled host had no more cores
+    assert thread_speedup(BUSY, 2) == 2.0 and thread_speedup(None, 3) == 3.0  # not measured: one thread's rate each
+    one_rank = {"micro_batch_size": 4, "stages": [{"devices": ["n:0"], "layers": 8}]}
+    job = parse_job({"cluster": {"nodes": [{"name": "n", "device": "cpu", "count": 1}]},
+                     "model": {"preset": "tiny-llama"}, "train": {"global_batch_size": 16, "precision": "fp32"},
+                     "plan": one_rank})
+    scaled = evaluate_plan(job, job.plan, profile=_profile(BUSY), emulate=True)
+    slower = evaluate_plan(job, job.plan, profile=_profile(measured), emulate=True)
+    compute = lambda est: est.stages[0].times.forward_s + est.stages[0].times.backward_s  # noqa: E731
+    # the kernels run 2 / 1.25 times as long; the per-block host cost (4 micro-batches x 8 blocks) does not scale
+    host = 4 * 8 * (4e-4 + 6e-4)
+    assert compute(slower) - host == pytest.approx((compute(scaled) - host) * 2.0 / 1.25, rel=1e-6)
+
+
+def test_the_thread_speedup_round_trips_and_is_checked(tmp_path):
+    measured = replace(BUSY, thread_speedup=((2.0, 1.25),))
+    save_profile(_profile(measured), tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").emulation == measured
+    text = (tmp_path / "p.yaml").read_text()
+    (tmp_path / "bad.yaml").write_text(text.replace("- [2.0, 1.25]", "- [1.0, 1.25]"))
+    with pytest.raises(ConfigError) as error:
+        load_profile(tmp_path / "bad.yaml")
+    assert "profile.emulation.thread_speedup: expected a list of [torch threads (at least 2), value]" in str(error.value)
