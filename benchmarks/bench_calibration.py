@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         data["profile_path"] = str(profile_file)
         say(f"# {data['when']}, {data['cores']} cores, torch {data['torch']}, load average {data['load']}; "
             "the machine is shared with other jobs")
-        say(f"each plan: {args.rounds} launches of {args.steps} steps, interleaved; measured = median of the warm "
-            f"steps (first 2 of each launch dropped); raw step times in {args.save}")
+        say(f"each plan: {args.rounds} launches of {args.steps} steps, interleaved; measured = the least over the "
+            f"launches of their median warm step (first 2 of each launch dropped); raw step times in {args.save}")
     say()
     met = report(data, tuple(args.calibrate_from), say)
     say(f"whole run {time.time() - start:.0f} s")
