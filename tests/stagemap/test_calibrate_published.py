@@ -1,7 +1,11 @@
-"""Calibration from a published measurements table alone (Megatron-LM on 32 V100s, published by DLPerf; source
-cited in benchmarks/data): fitted from any two of its configurations, the cost model orders all three as
-measured and predicts the third closer to its measurement than the uncalibrated model does.
-`benchmarks/bench_calibration_published.py` reports the figures, the 20% goal and the 8-GPU table too."""
+"""Calibration from a published measurements table alone (sources cited in benchmarks/data).
+
+Megatron-LM on 32 V100s (DLPerf): fitted from any two of its configurations, the cost model orders all three as
+measured and predicts the third closer to its measurement than the uncalibrated model does. DeepSpeed +
+Megatron-LM on 16 T4s (the AMP artifact, 47 configurations): every configuration that ran fits in memory as
+the planner prices it, and the cost model's factors, fitted to all of them, put each within 20%.
+`benchmarks/bench_calibration_published.py` reports the figures, the 20% goal from two configurations and the
+8-GPU table too."""
 
 from __future__ import annotations
 
@@ -32,3 +36,15 @@ def test_two_published_configurations_order_the_rest_and_bring_them_closer():
         (held,) = set(range(3)) - set(pair)
         error = abs(math.log(predicted[held] / measured[held]))
         assert error < abs(math.log(uncalibrated[held] / measured[held])), pair
+
+
+def test_sixteen_t4_table_fits_in_memory_and_within_reach_of_the_factors():
+    job = load_job(DATA / "amp-deepspeed-gpt2-t4x16.yaml")
+    runs, notes = load_runs(job, [str(DATA / "amp-deepspeed-gpt2-t4x16.measurements.yaml")])
+    assert len(runs) == 47 and not notes
+    for run in runs:
+        assert run.plan.num_devices == 16 and not run.emulate
+        assert evaluate_plan(job, run.plan, calibration=UNCALIBRATED).feasible, run.source
+    fit = fit_calibration(runs)
+    ratios = [p / r.measured_step_time_s for p, r in zip(fit.predicted_after_s, runs)]
+    assert all(abs(math.log(v)) < math.log(1.2) for v in ratios), (min(ratios), max(ratios))
