@@ -7,15 +7,18 @@ plans use. With `r_i(theta) = log(predicted_i(theta)) - log(measured_i)` the fit
 
 (the prior pulls every factor toward 1.0, the uncalibrated model). The prior is hierarchical: each log factor of
 a device type is that type's common log factor plus its own deviation, both centred on 0, the common one with
-`COMMON_SHARE` times the variance of the other (P = `prior_precision`). A stack whose runs show slow GEMMs is
-then taken to be somewhat slow in what the runs cannot separate too (its collectives, say), instead of exactly
-as fast there as the catalog says, which made a fit from few runs push the whole misfit into the factor the runs
-are most sensitive to (the GEMM rate) and misorder held-out plans that differ in their share of communication.
+`COMMON_SHARE` times the variance of the other (P = `prior_precision`). A factor of a time (`TIME_FACTORS`: the
+host overhead) takes the common log factor with the opposite sign: a slow stack has slow rates and a large
+overhead. A stack whose runs show slow GEMMs is then taken to be somewhat slow in what the runs cannot separate
+too (its collectives, its host overhead), instead of exactly as fast there as the catalog says, which made a fit
+from few runs push the whole misfit into the factor the runs are most sensitive to (the GEMM rate) and misorder
+held-out plans that differ in their share of communication.
 The Jacobian is taken numerically on the cost model itself (`evaluate_plan`), so whatever the model does with a
 rate, the fit sees. A factor is "not pinned down" when the runs do not determine it: its diagonal entry of the
 resolution matrix `(J'J + w^2 P)^-1 J'J` is below `PINNED_RESOLUTION` (no sensitivity at all, or one that other
 factors can trade against, as in a rank-deficient Jacobian); it then stays near its prior: between 1.0 and where
-the device type's pinned factors went (in log, `COMMON_SHARE / (1 + COMMON_SHARE)` of the way).
+the device type's pinned factors went (in log, `COMMON_SHARE / (1 + COMMON_SHARE)` of the way; the other way for
+a time factor).
 
 With `stage_parts`, the residuals also hold `PART_WEIGHT * (log(predicted) - log(measured))` of each stage's
 measured parts (`calibrate.runs.FIT_PARTS`) against the cost model's split of the same step
@@ -33,7 +36,7 @@ import numpy as np
 
 from heteroflow.calibrate.runs import Run, part_seconds
 from heteroflow.errors import UserError
-from heteroflow.stagemap.calibration import FACTOR_LIMIT, FACTORS, Calibration, DeviceFactors
+from heteroflow.stagemap.calibration import FACTOR_LIMIT, FACTORS, TIME_FACTORS, Calibration, DeviceFactors
 from heteroflow.stagemap.estimate import UNCALIBRATED, evaluate_plan, resolve_profile
 
 PRIOR_WEIGHT = 0.05
@@ -149,9 +152,12 @@ def fit_calibration(runs: list[Run], *, factors: tuple[str, ...] = FACTORS,
 
 def prior_precision(params: list[tuple[str, str]]) -> np.ndarray:
     """The prior's precision matrix over the log factors `params` (`(device type, factor)` pairs), in units of
-    `prior_weight ** 2`: the inverse of the covariance `I + COMMON_SHARE * S`, where `S[i, j]` is 1 when
-    factors i and j belong to one device type (see the module docstring)."""
-    same = np.array([[float(d == e) for e, _ in params] for d, _ in params]).reshape(len(params), len(params))
+    `prior_weight ** 2`: the inverse of the covariance `I + COMMON_SHARE * S`, where `S[i, j]` is `s_i * s_j`
+    when factors i and j belong to one device type and 0 otherwise, `s` being -1 for a factor of a time
+    (`TIME_FACTORS`) and 1 for one of a rate (see the module docstring)."""
+    sign = [-1.0 if f in TIME_FACTORS else 1.0 for _, f in params]
+    same = np.array([[float(d == e) * si * sj for (e, _), sj in zip(params, sign)]
+                     for (d, _), si in zip(params, sign)]).reshape(len(params), len(params))
     return np.linalg.inv(np.eye(len(params)) + COMMON_SHARE * same)
 
 

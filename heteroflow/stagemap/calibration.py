@@ -55,6 +55,8 @@ class DeviceFactors:
 
 
 FACTORS: tuple[str, ...] = tuple(f.name for f in fields(DeviceFactors))
+TIME_FACTORS: tuple[str, ...] = ("overhead",)
+"""The factors that multiply a time (larger is slower); the others multiply a rate (larger is faster)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

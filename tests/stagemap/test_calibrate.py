@@ -113,6 +113,18 @@ def test_a_factor_without_sensitivity_is_named_and_follows_the_pinned_ones_by_th
     assert fit.calibration.runs[0]["ratio_after"] == pytest.approx(1.0, abs=0.01)
 
 
+def test_an_unpinned_host_overhead_follows_a_slow_stack_up_not_down(job):
+    runs = [synthetic_run(job, "tp1-dp16")]  # a 7B model: its kernel launches are a sliver of the step
+    fit = fit_calibration(runs, factors=("gemm", "overhead"))
+    assert fit.calibration.not_pinned_down == (f"{A100}.overhead",)
+    factors = fit.calibration.factors[A100]
+    # The overhead multiplies a time: the slow stack the run shows has a slower host too, by the same prior
+    # correlation as a rate's, in the other direction.
+    assert factors.gemm < 0.7 and factors.overhead > 1.0
+    share = COMMON_SHARE / (1 + COMMON_SHARE)
+    assert math.log(factors.overhead) == pytest.approx(-share * math.log(factors.gemm), rel=0.05)
+
+
 def test_two_measured_configurations_predict_the_others(job, tmp_path):
     """From a measurements table alone (16 devices, one vendor): two configurations measured, the other
     configurations' throughputs within 20% and in the measured order."""
