@@ -17,6 +17,10 @@ Assumptions (documented, used everywhere):
   nodes involved (between nodes), or, between vendors, through host memory: device to host on the
   sender, the network, host to device on the receiver, one hop after the other (store and forward).
 - The receiving stage pays the transfer (it waits for it before computing); sends are asynchronous.
+- An embedding tied across the first and last stage has its gradient summed once per step by every rank of
+  both stages (`runtime.stage`: one gloo group, each rank the whole fp32 vocab x hidden gradient): a ring
+  all-reduce over the nodes' network (gloo over TCP; on one node its loopback, priced no faster), with each
+  rank's device-to-host and host-to-device copy on accelerators; over the local link when emulated.
 """
 
 from __future__ import annotations
@@ -88,3 +92,14 @@ def boundary_s(num_bytes: float, hardware: Hardware, *, sender: DeviceModel, rec
     d2h = num_bytes / (sender.host_link_gb_per_s * 1e9 * sender_devices) + HOST_STAGE_LATENCY_S
     h2d = num_bytes / (receiver.host_link_gb_per_s * 1e9 * receiver_devices) + HOST_STAGE_LATENCY_S
     return d2h + network + h2d
+
+
+def tied_sync_s(num_bytes: float, hardware: Hardware, *, first: DeviceModel, last: DeviceModel, ranks: int) -> float:
+    """The all-reduce of `num_bytes` (each rank's whole tied-embedding gradient) over the `ranks` ranks of the
+    first and the last stage (see the module docstring)."""
+    if ranks <= 1 or num_bytes <= 0:
+        return 0.0
+    if hardware.emulate:
+        return all_reduce_s(num_bytes, ranks, *first.collective_link())
+    copies = 2 * max(num_bytes / (d.host_link_gb_per_s * 1e9) + HOST_STAGE_LATENCY_S for d in (first, last))
+    return copies + all_reduce_s(num_bytes, ranks, hardware.inter_node_gb_per_s, hardware.inter_latency_s)

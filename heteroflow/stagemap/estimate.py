@@ -13,7 +13,7 @@ from heteroflow.layout import OffloadSpec
 from heteroflow.errors import UserError
 from heteroflow.config.catalog import CATALOG
 from heteroflow.stagemap.calibration import Calibration, load_calibration
-from heteroflow.stagemap.comm import boundary_s
+from heteroflow.stagemap.comm import boundary_s, tied_sync_s
 from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
 from heteroflow.layout import ParallelLayout
@@ -205,8 +205,12 @@ def _priced(job: JobConfig, plan: PlanSpec, profile: Profile | None, emulate: bo
     hws = [hw for hw, _ in placed]
     costs = [stage_costs(job.model, hw, s.layout, plan.micro_batch_size, hardware) for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
+    tied = (tied_sync_s(job.model.vocab_size * job.model.hidden_size * 4, hardware, first=hws[0].device,
+                        last=hws[-1].device, ranks=hws[0].num_devices + hws[-1].num_devices)
+            if job.model.tie_embeddings and len(hws) > 1 else 0.0)
     return assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
-                    threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown)
+                    threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown,
+                    tied_s=tied)
 
 
 def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageHardware, frozenset[str]]],
@@ -224,17 +228,20 @@ def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageH
 
 def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: list[StageCosts],
              recv: list[float], *, emulate: bool = False, cores: int = 1, threads_per_rank: int = 1,
-             oversubscribed: tuple[tuple[float, float], ...] = ()) -> PlanEstimate:
+             oversubscribed: tuple[tuple[float, float], ...] = (), tied_s: float = 0.0) -> PlanEstimate:
     """Combine per-stage costs into pipeline, step and memory figures. Emulated, the stages' threads
     (`threads_per_rank` per device) share `cores` cores, slowed by the host's measured `oversubscribed`
-    slowdown (`pipeline.sharing_speed`)."""
+    slowdown (`pipeline.sharing_speed`). `tied_s`: the sum of an embedding's gradient tied across the first and
+    last stage (`comm.tied_sync_s`), part of both stages' dp reduction (the runtime times it there)."""
     p, m = len(plan.stages), plan.num_micro_batches(job.train)
     stages, problems, parts, recv_fwd, recv_bwd = [], [], [], [], []
     for k, ((first_layer, last_layer), stage, hw, c) in enumerate(zip(plan.layer_ranges(), plan.stages, hws, costs)):
         first, last, layers = k == 0, k == p - 1, stage.layers
         recv_fwd.append(recv[k - 1] if k > 0 else 0.0)
         recv_bwd.append(recv[k] if k < p - 1 else 0.0)
-        parts.append(c.parts(layers, first, last))
+        tied = tied_s if first or last else 0.0
+        own = c.parts(layers, first, last)
+        parts.append(replace(own, dp_s=own.dp_s + tied))
         f = in_flight(plan.schedule, p, k, m)
         peak = c.memory_bytes(layers, f, first, last) / GIB
         est = StageEstimate(index=k, devices=stage.devices, device_type=stage.device_type,
@@ -243,7 +250,7 @@ def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: li
                             forward_s=c.forward_s(layers, first, last) + recv_fwd[-1],
                             backward_s=c.backward_s(layers, first, last) + recv_bwd[-1],
                             recv_forward_s=recv_fwd[-1], recv_backward_s=recv_bwd[-1],
-                            tail_s=c.tail_s(layers, first, last), in_flight=f, memory_peak_gib=peak,
+                            tail_s=c.tail_s(layers, first, last) + tied, in_flight=f, memory_peak_gib=peak,
                             memory_capacity_gib=hw.device.memory_gib,
                             memory_gib=c.memory.components(layers, f, first, last))
         stages.append(est)

@@ -109,3 +109,29 @@ def test_busy_stages_split_their_time_by_the_priced_proportions():
     # The computing is slowed by the other stage's; the collective, which takes no core, is not.
     assert shared.stages[0].collective_s == pytest.approx(alone.stages[0].collective_s)
     assert shared.stages[0].forward_s > alone.stages[0].forward_s
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_a_tied_embedding_is_summed_in_the_end_stages_dp_reduction(emulate):
+    """The runtime sums a tied embedding's gradient over every rank of the first and last stage (one gloo group,
+    inside the `dp` part): the planner adds exactly that all-reduce to those two stages' dp part, and nothing to
+    a middle stage's."""
+    from dataclasses import replace
+
+    from heteroflow.stagemap.comm import tied_sync_s
+    untied = _job(STAGE_SETS["zero2-offload-recompute"], "1f1b")
+    tied = replace(untied, model=replace(untied.model, tie_embeddings=True))
+    a = evaluate_plan(untied, untied.plan, emulate=emulate)
+    b = evaluate_plan(tied, tied.plan, emulate=emulate)
+    hardware = job_hardware(tied, None, emulate=emulate, num_ranks=tied.plan.num_devices)
+    first, last = (stage_hardware(tied, hardware, s)[0] for s in (tied.plan.stages[0], tied.plan.stages[-1]))
+    sync = tied_sync_s(512 * 128 * 4, hardware, first=first.device, last=last.device, ranks=4 + 2)
+    assert sync > 0
+    assert b.stages[1].tail_s == pytest.approx(a.stages[1].tail_s)
+    for k in (0, 2):
+        assert b.stages[k].tail_s - a.stages[k].tail_s == pytest.approx(sync, rel=0.05)  # tying also changes what the stages hold, a little
+    if not emulate:  # the accelerators' gloo sum: each side's copies to and from the host, the network ring
+        assert sync > 2 * 512 * 128 * 4 / (first.device.host_link_gb_per_s * 1e9)
+    for est in (a, b):
+        for st in est.stages:
+            assert st.times.total_s == pytest.approx(est.step_time_s)
