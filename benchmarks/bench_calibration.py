@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from heteroflow.calibrate.fit import fit_calibration  # noqa: E402
-from heteroflow.calibrate.runs import Run, warm_step_times  # noqa: E402
+from heteroflow.calibrate.runs import Run, measured_parts, warm_step_times  # noqa: E402
 from heteroflow.config import parse_job  # noqa: E402
 from heteroflow.stagemap import evaluate_plan, load_profile, save_profile  # noqa: E402
 from heteroflow.stagemap.estimate import UNCALIBRATED  # noqa: E402
@@ -80,20 +80,32 @@ def make_job(name: str, profile_path: str | None, steps: int):
                       "plan": plan}, source=f"<{name}>")
 
 
-def measure(names: list[str], *, rounds: int, steps: int, profile_path: str, work: Path) -> dict[str, list[list[float]]]:
-    """Every plan's step times per launch (all steps), the plans interleaved over `rounds` rounds."""
+def measure(names: list[str], *, rounds: int, steps: int, profile_path: str,
+            work: Path) -> tuple[dict[str, list[list[float]]], dict[str, list[list]]]:
+    """Every plan's step times per launch (all steps), the plans interleaved over `rounds` rounds; and per launch
+    its stages' measured parts (`calibrate.runs.measured_parts` of the warm steps)."""
     from heteroflow.launcher.prepare import TrainOptions
     from heteroflow.launcher.train import train_job
     from heteroflow.runtime.metrics import read_step_records
     times: dict[str, list[list[float]]] = {name: [] for name in names}
+    parts: dict[str, list[list]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             metrics = work / f"{name}-{r}.jsonl"
             train_job(make_job(name, profile_path, steps),
                       TrainOptions(emulate=True, steps=steps, metrics_path=str(metrics), log_dir=str(work / "logs")))
-            times[name].append([rec["step_time_s"] for rec in read_step_records(metrics)])
+            records = read_step_records(metrics)
+            times[name].append([rec["step_time_s"] for rec in records])
+            warm = records[len(records) - len(warm_step_times(times[name][-1])):]
+            parts[name].append([list(p) for p in measured_parts(warm, len(PLANS[name]["stages"]))])
             print(f"round {r + 1} {name}: " + " ".join(f"{t:.3f}" for t in times[name][-1]), flush=True)
-    return times
+    return times, parts
+
+
+def chosen_launch(launches: list[list[float]]) -> int:
+    """The launch whose median warm step is the plan's measurement (`measured_step`)."""
+    medians = [statistics.median(warm_step_times(launch)) for launch in launches]
+    return medians.index(min(medians))
 
 
 def measured_step(launches: list[list[float]]) -> float:
@@ -107,19 +119,22 @@ def launch_spread(launches: list[list[float]]) -> float:
     return max(medians) / min(medians) - 1
 
 
-def report(data: dict, calibrate_from: tuple[str, ...], say) -> bool:
-    """Fit from `calibrate_from`, predict the others; print the table; whether every goal is met."""
+def report(data: dict, calibrate_from: tuple[str, ...], say, *, stage_parts: bool = False) -> bool:
+    """Fit from `calibrate_from` (with `stage_parts`, also from their stages' measured parts, as `calibrate
+    --stage-parts` does), predict the others; print the table; whether every goal is met."""
     profile_path = data["profile_path"]
     profile = load_profile(profile_path)
     names = list(data["times"])
     jobs = {name: make_job(name, profile_path, 10) for name in names}
     measured = {name: measured_step(data["times"][name]) for name in names}
-    runs = [Run(source=name, job=jobs[name], plan=jobs[name].plan, emulate=True,
-                measured_step_time_s=measured[name]) for name in calibrate_from]
-    fit = fit_calibration(runs)
+    runs = [Run(source=name, job=jobs[name], plan=jobs[name].plan, emulate=True, measured_step_time_s=measured[name],
+                measured_parts=tuple(tuple(p) for p in data.get("parts", {}).get(name, [[]] * 9)[
+                    chosen_launch(data["times"][name])]))
+            for name in calibrate_from]
+    fit = fit_calibration(runs, stage_parts=stage_parts)
     cal = fit.calibration
     factors = next(iter(cal.factors.values()))
-    say(f"calibrated from {', '.join(calibrate_from)}: factors (every device type, emulated) "
+    say(f"calibrated from {', '.join(calibrate_from)}{' and their stage parts' if stage_parts else ''}: factors (every device type, emulated) "
         + ", ".join(f"{k} {v:.3f}" for k, v in factors.to_dict().items())
         + (f"; not pinned down: {', '.join(cal.not_pinned_down)}" if cal.not_pinned_down else ""))
     say()
@@ -196,10 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         profile_file = Path(args.save).with_suffix(".profile.yaml")
         save_profile(measure_profile(disk_dir=str(work), quick=args.quick_profile), profile_file)
         load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        times = measure(args.plans, rounds=args.rounds, steps=args.steps, profile_path=str(profile_file), work=work)
+        times, parts = measure(args.plans, rounds=args.rounds, steps=args.steps, profile_path=str(profile_file),
+                               work=work)
         data = {"when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(start)), "cores": os.cpu_count(),
                 "torch": torch.__version__, "rounds": args.rounds, "steps": args.steps,
-                "load": f"{load_before} -> {' '.join(f'{x:.2f}' for x in os.getloadavg())}", "times": times}
+                "load": f"{load_before} -> {' '.join(f'{x:.2f}' for x in os.getloadavg())}", "times": times,
+                "parts": parts}
         Path(args.save).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         data["profile_path"] = str(profile_file)
         say(f"# {data['when']}, {data['cores']} cores, torch {data['torch']}, load average {data['load']}; "
@@ -208,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             f"launches of their median warm step (first 2 of each launch dropped); raw step times in {args.save}")
     say()
     met = report(data, tuple(args.calibrate_from), say)
+    if "parts" in data:  # the same runs, fitted also on their measured per-stage parts
+        say()
+        report(data, tuple(args.calibrate_from), say, stage_parts=True)
     say(f"whole run {time.time() - start:.0f} s")
     if args.output:
         Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -26,6 +26,8 @@ from heteroflow.errors import UserError
 from heteroflow.measure.thread import measure_thread_speedup
 from heteroflow.stagemap.profile import EmulationProfile
 
+LATENCY_REPEATS = 3
+"""Repeats of each busy all-reduce phase; a rank reports the median of its repeats' medians."""
 _WORK_SHAPE = (384, 192, 512)
 """Tokens, hidden and ffn width of the work unit: a small MLP forward and backward (tiny-llama's scale)."""
 
@@ -130,10 +132,13 @@ def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ..
                 _work(torch, shapes)
             return time.thread_time() - start
 
-        latencies = []
-        for k in per_core:
-            barrier.wait()
-            latencies.append(busy_all_reduce() if rank < max(2, k * cores) and pair is not None else 0.0)
+        latencies = {k: [] for k in per_core}
+        for _ in range(LATENCY_REPEATS):  # the levels interleaved, so that a disturbed period falls on one repeat
+            for k in per_core:
+                barrier.wait()
+                if rank < max(2, k * cores) and pair is not None:
+                    latencies[k].append(busy_all_reduce())
+        latencies = [statistics.median(v) if v else 0.0 for v in latencies.values()]
         barrier.wait()
         seconds = [cpu_seconds() if rank == 0 else 0.0]
         barrier.wait()
