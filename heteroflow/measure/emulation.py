@@ -2,7 +2,8 @@
 
 Measured as a training step meets it:
 - `busy_latency_s`: pairs of one-thread processes over gloo that each compute a block's worth of GEMMs between
-  all-reduces of one element, as the tp ranks of a stage do (the median wall time, per ring step), at 1, 2 and
+  all-reduces of an activation-sized buffer (`BUSY_MESSAGE_BYTES`), as the tp ranks of a stage do (the median
+  wall time less the buffer's bytes at the idle link's all-reduce bandwidth, per ring step), at 1, 2 and
   4 processes per core (2 and 4 unless quick), every process one of such a pair: an all-reduce then also
   waits for the partner to arrive and to get a core, and the more processes share a core, the longer. The
   other processes block on their partners too, as training ranks do, so the wait is what a training step
@@ -26,14 +27,20 @@ from heteroflow.errors import UserError
 from heteroflow.measure.thread import measure_thread_speedup
 from heteroflow.stagemap.profile import EmulationProfile
 
+BUSY_MESSAGE_BYTES = 256 * 1024
+"""The buffer of the busy all-reduces: a tiny-llama tp stage's activations (4 x 128 x 128 fp32). Between busy
+processes gloo pays far more per message of this size than for one element (a median of 2-3 ms against 0.4 ms
+on the development machine, whose idle link moves it in 0.2 ms): that is what a tp step waits."""
 LATENCY_REPEATS = 3
 """Repeats of each busy all-reduce phase; a rank reports the median of its repeats' medians."""
 _WORK_SHAPE = (384, 192, 512)
 """Tokens, hidden and ffn width of the work unit: a small MLP forward and backward (tiny-llama's scale)."""
 
 
-def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0) -> EmulationProfile:
-    """The `emulation` figures of this host (see the module docstring)."""
+def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0,
+                      allreduce_gb_per_s: float = 0.0) -> EmulationProfile:
+    """The `emulation` figures of this host (see the module docstring); `allreduce_gb_per_s`: the idle link's
+    all-reduce bandwidth (`LinkProfile`), whose share of the busy all-reduces is not latency."""
     cores = os.cpu_count() or 1
     per_core = (1, 2) if quick else (1, 2, 4)  # processes per core of the CPU-time phases (1: alone)
     # first, while no child process is starting or exiting: a second thread's gain is the first thing load hides
@@ -43,10 +50,12 @@ def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0) -> Emula
     alone = results[0][1][0]
     slowdown = tuple((float(k), max(1.0, statistics.median(r[1][i] for r in results[:k * cores]) / alone))
                      for i, k in enumerate(per_core) if k > 1)
-    # one ring step of a two-rank all-reduce is half its time; the curve never falls as processes are added
+    # one ring step of a two-rank all-reduce is half its time less the bytes; the curve never falls with more processes
+    moving = BUSY_MESSAGE_BYTES / (allreduce_gb_per_s * 1e9) if allreduce_gb_per_s > 0 else 0.0
     latency, busy = 0.0, []
     for i, k in enumerate(per_core):
-        latency = max(latency, statistics.median(r[0][i] for r in results[:max(2, k * cores)]) / 2)
+        waited = statistics.median(r[0][i] for r in results[:max(2, k * cores)])
+        latency = max(latency, max(waited - moving, waited / 2) / 2)
         busy.append((float(k), latency))
     return EmulationProfile(busy_latency_s=tuple(busy), oversubscribed_slowdown=slowdown,
                             thread_speedup=speedup)
@@ -113,7 +122,7 @@ def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ..
         pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(n // 2)]  # every rank creates every group
         pair = pairs[rank // 2] if rank // 2 < len(pairs) else None
         shapes = _work_tensors(torch)
-        one = torch.zeros(1)
+        message = torch.zeros(BUSY_MESSAGE_BYTES // 4)
         _work(torch, shapes)
 
         def busy_all_reduce() -> float:
@@ -122,7 +131,7 @@ def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ..
                 for _ in range(2):
                     _work(torch, shapes)
                 start = time.perf_counter()
-                dist.all_reduce(one, group=pair)
+                dist.all_reduce(message, group=pair)
                 times.append(time.perf_counter() - start)
             return statistics.median(times)
 

@@ -54,7 +54,8 @@ def measure_profile(*, quick: bool = False, device_type: str | None = None, disk
     link_profile = _measure_link(cuda and torch.cuda.device_count() >= 2, 4 if quick else 64, link_timeout_s) if link else None
     disk = _measure_disk(disk_dir or tempfile.gettempdir(), 16 if quick else 256)
     cpu_thread = measure_cpu_thread(quick=quick)
-    emulation = measure_emulation(quick=quick, timeout_s=2 * link_timeout_s) if link and not cuda else None
+    emulation = (measure_emulation(quick=quick, timeout_s=2 * link_timeout_s,
+                                   allreduce_gb_per_s=link_profile.allreduce_gb_per_s) if link and not cuda else None)
     return Profile(host=host, devices=(dev,), link=link_profile, disk=disk, cpu_thread=cpu_thread,
                    emulation=emulation)
 
