@@ -50,7 +50,9 @@ def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0,
     alone = results[0][1][0]
     slowdown = tuple((float(k), max(1.0, statistics.median(r[1][i] for r in results[:k * cores]) / alone))
                      for i, k in enumerate(per_core) if k > 1)
-    # one ring step of a two-rank all-reduce is half its time less the bytes; the curve never falls with more processes
+    # One ring step of a two-rank all-reduce is half its time less the bytes, at least a quarter of its time (an idle
+    # link bandwidth measured on a shared machine can be too low to subtract whole); the curve never falls with more
+    # processes.
     moving = BUSY_MESSAGE_BYTES / (allreduce_gb_per_s * 1e9) if allreduce_gb_per_s > 0 else 0.0
     latency, busy = 0.0, []
     for i, k in enumerate(per_core):

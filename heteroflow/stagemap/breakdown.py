@@ -89,7 +89,8 @@ def step_breakdown(parts: list[MicroBatchParts], recv_forward: list[float], recv
     stages = []
     for k, p in enumerate(parts):
         f, b, t = f_scale[k], b_scale[k], _scale(tail_wall[k], tails[k])
-        collective, alltoall = m * (p.forward_comm_s + p.backward_comm_s), m * (p.forward_alltoall_s + p.backward_alltoall_s)
+        collective = m * (p.forward_comm_s + p.backward_comm_s)
+        alltoall = m * (p.forward_alltoall_s + p.backward_alltoall_s)
         busy = p.forward_s * f + p.backward_s * b + collective + alltoall  # the transfers received count as waiting
         stages.append(StageTimes(forward_s=p.forward_s * f, backward_s=p.backward_s * b,
                                  collective_s=collective, alltoall_s=alltoall,

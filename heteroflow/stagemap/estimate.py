@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from heteroflow.config.job import JobConfig
 from heteroflow.config.plan import PlanSpec, StageSpec
-from heteroflow.layout import OffloadSpec
+from heteroflow.layout import GRAD_REDUCE_BYTES, OffloadSpec
 from heteroflow.errors import UserError
 from heteroflow.config.catalog import CATALOG
 from heteroflow.stagemap.calibration import Calibration, load_calibration
@@ -18,7 +18,7 @@ from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
 from heteroflow.layout import ParallelLayout
 from heteroflow.stagemap.emulation import build_hardware
-from heteroflow.stagemap.hardware import Hardware, threads_per_process
+from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.memory import GIB, dtype_bytes
 from heteroflow.stagemap.breakdown import StageTimes, step_breakdown
 from heteroflow.stagemap.pipeline import in_flight
@@ -172,14 +172,14 @@ def evaluate_plan(job: JobConfig, plan: PlanSpec, *, profile: Profile | None = N
     """
     profile = resolve_profile(job, profile)
     calibration = resolve_calibration(job, calibration)
-    estimate = _priced(job, plan, profile, emulate, calibration, None)
+    estimate, hardware = _priced(job, plan, profile, emulate, calibration, None)
     if emulate and profile is not None and profile.emulation is not None and len(profile.emulation.busy_latency_s) > 1:
         # A blocked transfer waits longer the more processes compute on each core, which the step's own
         # timeline says: price again with the waits at its mean computing load until that settles.
-        cores = max(1, profile.host.cpu_cores)
         for _ in range(LOAD_ITERATIONS):
-            load = computing_per_core(estimate, cores, threads_per_process(cores, plan.num_devices))
-            estimate, previous = _priced(job, plan, profile, emulate, calibration, load), estimate
+            load = computing_per_core(estimate, hardware.cores, hardware.threads_per_rank)
+            previous = estimate
+            estimate, hardware = _priced(job, plan, profile, emulate, calibration, load)
             if abs(estimate.step_time_s - previous.step_time_s) <= 1e-3 * previous.step_time_s:
                 break
     return replace(estimate, calibration=calibration.note(emulate=emulate) if calibration is not None else None)
@@ -198,19 +198,22 @@ def computing_per_core(estimate: PlanEstimate, cores: int, threads_per_rank: int
 
 
 def _priced(job: JobConfig, plan: PlanSpec, profile: Profile | None, emulate: bool,
-            calibration: Calibration | None, busy_per_core: float | None) -> PlanEstimate:
+            calibration: Calibration | None, busy_per_core: float | None) -> tuple[PlanEstimate, Hardware]:
+    """The plan priced on the job's hardware (emulated ranks' transfers waiting as at `busy_per_core`), and that
+    hardware."""
     hardware = job_hardware(job, profile, emulate=emulate, num_ranks=plan.num_devices, calibration=calibration,
                             busy_per_core=busy_per_core)
     placed = [stage_hardware(job, hardware, s) for s in plan.stages]
     hws = [hw for hw, _ in placed]
     costs = [stage_costs(job.model, hw, s.layout, plan.micro_batch_size, hardware) for hw, s in zip(hws, plan.stages)]
     recv = boundary_times(job, hardware, placed, plan.micro_batch_size)
-    tied = (tied_sync_s(job.model.vocab_size * job.model.hidden_size * 4, hardware, first=hws[0].device,
-                        last=hws[-1].device, ranks=hws[0].num_devices + hws[-1].num_devices)
+    tied = (tied_sync_s(job.model.vocab_size * job.model.hidden_size * GRAD_REDUCE_BYTES, hardware,
+                        first=hws[0].device, last=hws[-1].device, ranks=hws[0].num_devices + hws[-1].num_devices)
             if job.model.tie_embeddings and len(hws) > 1 else 0.0)
-    return assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
-                    threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown,
-                    tied_s=tied)
+    estimate = assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
+                        threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown,
+                        tied_s=tied)
+    return estimate, hardware
 
 
 def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageHardware, frozenset[str]]],

@@ -160,10 +160,12 @@ class EmulationProfile:
     measure, measured as a training step meets it (`measure.emulation`)."""
 
     busy_latency_s: tuple[tuple[float, float], ...] = ()
-    """(processes per core, seconds): per ring step of an all-reduce between two one-thread processes that compute
-    between all-reduces (as tp ranks do) while the host runs that many processes per core, every one of them such
-    a pair: the partner is late or waits for a core. It replaces the idle link's latency for emulated transfers
-    (`per_core_value` at the plan's ranks per core); these waits take no core (`pipeline.run_shared`)."""
+    """(processes per core, seconds): per ring step of an activation-sized all-reduce (its bytes at the idle link's
+    bandwidth taken off) between two one-thread processes that compute between all-reduces (as tp ranks do)
+    while the host runs that many processes per core, every one of them such a pair: the partner is late or
+    waits for a core. It replaces the idle link's latency for emulated transfers, read (`per_core_value`) at the
+    plan's mean computing threads per core (`estimate.computing_per_core`); these waits take no core
+    (`pipeline.run_shared`)."""
     oversubscribed_slowdown: tuple[tuple[float, float], ...] = ()
     """(processes per core, slowdown): how much more CPU time a fixed amount of one-thread work takes in each of
     that many processes per core than alone (context switches, caches shared), ascending
@@ -355,7 +357,7 @@ def _emulation(sec: Section) -> EmulationProfile | None:
 
 def _per_core_points(sec: Section, key: str, *, minimum: float,
                      what: str = "processes per core") -> tuple[tuple[float, float], ...]:
-    """`[[processes per core, value], ...]` (processes per core at least `minimum`), sorted; () when absent."""
+    """`[[x, value], ...]` (x, the `what` of each point, at least `minimum`), sorted by x; () when absent."""
     points = sec.sequence(key, []) or []
     if not all(isinstance(p, list) and len(p) == 2 and all(_positive_finite(v) for v in p) and p[0] >= minimum
                for p in points):
