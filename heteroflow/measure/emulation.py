@@ -14,7 +14,14 @@ Measured as a training step meets it:
   caches shared between more processes than cores (CPU time, so other jobs' load on a shared machine, which
   only delays the work, does not count; processor sharing prices the delay);
 - `thread_speedup`: how much faster one process runs heteroflow's real block with all the host's cores as
-  torch threads than with one (`measure.thread.measure_thread_speedup`): what a rank with several threads gets.
+  torch threads than with one (`measure.thread.measure_thread_speedup`): what a rank with several threads gets;
+- `tp_block_overhead_s`: the first pair runs heteroflow's decoder blocks at a negligible width as a stage
+  runs them (`measure.thread`: the runtime's meter and gradient hooks), parallelized at tp 2 over the pair by
+  `models.parallelize.parallelize_stage` and at tp 1, alternately, timed by the runtime's `PartTimer` with its
+  collectives timed apart (`models.tp_ops.timing_collectives`), as a training step times them, but in thread CPU
+  time (the core the work occupies, which is what the shared-core simulation shares; wall time would add the
+  partner's scheduling): what tp adds to a block's forward and backward outside its collectives, per block (the
+  median of the rounds' differences).
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ processes gloo pays far more per message of this size than for one element (a me
 on the development machine, whose idle link moves it in 0.2 ms): that is what a tp step waits."""
 LATENCY_REPEATS = 3
 """Repeats of each busy all-reduce phase; a rank reports the median of its repeats' medians."""
+TP_ROUNDS = 7
+"""Alternated rounds of the tp 2 and tp 1 blocks (3 with --quick)."""
+_TP_BLOCKS, _TP_CALLS = 4, 30
+"""Blocks of the tp probe's stage, and forward-backward calls per round."""
 _WORK_SHAPE = (384, 192, 512)
 """Tokens, hidden and ffn width of the work unit: a small MLP forward and backward (tiny-llama's scale)."""
 
@@ -45,7 +56,8 @@ def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0,
     per_core = (1, 2) if quick else (1, 2, 4)  # processes per core of the CPU-time phases (1: alone)
     # first, while no child process is starting or exiting: a second thread's gain is the first thing load hides
     speedup = ((float(cores), measure_thread_speedup(cores, rounds=2 if quick else 5)),) if cores > 1 else ()
-    results = _run_children(max(per_core) * cores, _child, (per_core, cores, 8 if quick else 30, 10 if quick else 40),
+    results = _run_children(max(max(per_core) * cores, 2), _child,
+                            (per_core, cores, 8 if quick else 30, 10 if quick else 40, 3 if quick else TP_ROUNDS),
                             timeout_s)
     alone = results[0][1][0]
     slowdown = tuple((float(k), max(1.0, statistics.median(r[1][i] for r in results[:k * cores]) / alone))
@@ -59,8 +71,9 @@ def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0,
         waited = statistics.median(r[0][i] for r in results[:max(2, k * cores)])
         latency = max(latency, max(waited - moving, waited / 2) / 2)
         busy.append((float(k), latency))
+    tp_overhead = tuple(max(0.0, v) for v in results[0][2])  # a difference of two timings can come out below 0
     return EmulationProfile(busy_latency_s=tuple(busy), oversubscribed_slowdown=slowdown,
-                            thread_speedup=speedup)
+                            thread_speedup=speedup, tp_block_overhead_s=tp_overhead)
 
 
 def _run_children(n: int, target, args: tuple, timeout_s: float) -> list:
@@ -110,12 +123,64 @@ def _work_tensors(torch):
             torch.randn(hidden, ffn, requires_grad=True))
 
 
+def _tp_block_overhead(torch, pair, tp_rounds: int) -> tuple[float, float]:
+    """(forward, backward) seconds tp 2 over `pair` adds to one block outside its collectives (see the module
+    docstring); called by both ranks of the pair at once."""
+    from heteroflow.config.model import ModelSpec
+    from heteroflow.devices.facade import NullEvent
+    from heteroflow.devices.timing import PartTimer
+    from heteroflow.layout import ParallelLayout
+    from heteroflow.measure.thread import _as_the_runtime_runs
+    from heteroflow.models.init import init_weights
+    from heteroflow.models.llama import build_stage_model
+    from heteroflow.models.parallelize import parallelize_stage
+    from heteroflow.models.tp_ops import timing_collectives
+    spec = ModelSpec(num_layers=_TP_BLOCKS, hidden_size=16, ffn_hidden_size=16, num_attention_heads=2,
+                     num_kv_heads=2, vocab_size=16, seq_length=4)
+    stages = {}
+    for tp in (1, 2):
+        model = build_stage_model(spec, first_layer=0, last_layer=_TP_BLOCKS, is_first=False, is_last=False)
+        parallelize_stage(model, layout=ParallelLayout(tp=tp), tp_group=pair if tp > 1 else None)
+        init_weights(model, seed=0)
+        stages[tp] = (model, _as_the_runtime_runs(torch, model))
+    x = torch.randn(1, spec.seq_length, spec.hidden_size)
+    grad = torch.ones_like(x)
+
+    class ThreadTimeEvent(NullEvent):
+        """Records this thread's CPU time instead of the wall clock."""
+
+        def record(self, stream=None) -> None:
+            self._recorded_s = time.thread_time()
+
+    timer = PartTimer(lambda enable_timing=False: ThreadTimeEvent())
+
+    def per_block(tp: int) -> tuple[float, float]:
+        model, saving = stages[tp]
+        with timing_collectives(pair if tp > 1 else None, timer):
+            for _ in range(_TP_CALLS):
+                inputs = x.clone().requires_grad_()
+                with timer.part("forward"), saving():
+                    out = model(inputs)
+                with timer.part("backward"):
+                    out.backward(grad)
+        parts = timer.collect()
+        return parts["forward"] / (_TP_CALLS * _TP_BLOCKS), parts["backward"] / (_TP_CALLS * _TP_BLOCKS)
+
+    per_block(1), per_block(2)  # warm-up
+    added = []
+    for _ in range(tp_rounds):  # alternated, so that a disturbed period falls on one round
+        one, two = per_block(1), per_block(2)
+        added.append((two[0] - one[0], two[1] - one[1]))
+    return statistics.median(a[0] for a in added), statistics.median(a[1] for a in added)
+
+
 def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ...], cores: int, rounds: int,
-           calls: int) -> None:
+           calls: int, tp_rounds: int) -> None:
     """For each k of `per_core`: ranks 0 .. k x cores - 1 (at least 0 and 1), in pairs (0, 1), (2, 3), ..., time
-    all-reduces with their partner between bursts of work; then rank 0 times `calls` work units alone in CPU
-    time, and for each k above 1, ranks 0 .. k x cores - 1 do at once. Ranks outside a phase wait on the
-    barrier, using no core. Reports (median latency per phase, CPU seconds per phase)."""
+    all-reduces with their partner between bursts of work; then ranks 0 and 1 measure what tp adds to a block;
+    then rank 0 times `calls` work units alone in CPU time, and for each k above 1, ranks 0 .. k x cores - 1 do at
+    once. Ranks outside a phase wait on the barrier, using no core. Reports (median latency per phase, CPU
+    seconds per phase, the tp block overhead)."""
     try:
         import torch
         import torch.distributed as dist
@@ -151,12 +216,14 @@ def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ..
                     latencies[k].append(busy_all_reduce())
         latencies = [statistics.median(v) if v else 0.0 for v in latencies.values()]
         barrier.wait()
+        tp_overhead = _tp_block_overhead(torch, pairs[0], tp_rounds) if rank < 2 else (0.0, 0.0)
+        barrier.wait()
         seconds = [cpu_seconds() if rank == 0 else 0.0]
         barrier.wait()
         for k in per_core[1:]:
             seconds.append(cpu_seconds() if rank < k * cores else 0.0)
             barrier.wait()
         dist.destroy_process_group()
-        queue.put((rank, (tuple(latencies), tuple(seconds))))
+        queue.put((rank, (tuple(latencies), tuple(seconds), tp_overhead)))
     except Exception as exc:  # the parent reports it
         queue.put((rank, f"{type(exc).__name__}: {exc}"))

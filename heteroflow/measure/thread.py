@@ -10,11 +10,17 @@ every OpenMP barrier). Measured:
 - the block's fixed cost (forward and backward on 4 tokens of width 16);
 - the real block at one mid-size shape (`REFERENCE_BLOCK`): kernels run slower inside a block than alone,
   and the cost model scales the curves to match it (`stagemap.emulation.in_block_slowdown`).
+Every block runs as the runtime runs it: its forward under the runtime's saved-activation meter
+(`runtime.memory.SavedActivationMeter`, which counts every tensor autograd saves, at a Python call each), its
+parameters in a `DataParallelAdamW`, whose hooks add each backward's gradients into the fp32 gradient
+buffer (a Python call per parameter, and bytes the cost model prices: `compute.grad_accumulate_s`); so the
+fixed cost and the reference block include what those hooks cost per block.
 Each figure is the median of five rounds that each measure everything once (one with --quick).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -105,20 +111,34 @@ def _attention_tflops(torch, head_dim: int, dtype, budget_s: float) -> tuple[flo
     return flops / forward_s / 1e12, flops / backward_s / 1e12
 
 
+def _as_the_runtime_runs(torch, blocks):
+    """Set `blocks` up as a training stage holds them: their parameters in the runtime's `DataParallelAdamW`
+    (one rank), whose hooks add every backward's gradients into its fp32 buffer. Returns a context factory:
+    the saved-tensor hooks of the runtime's activation meter, which every training forward runs under."""
+    from heteroflow.models.data_parallel import DataParallelAdamW
+    from heteroflow.runtime.memory import SavedActivationMeter
+    if not hasattr(blocks, "gradient_buffer"):  # once: a second one would hook every parameter again
+        blocks.gradient_buffer = DataParallelAdamW(blocks, dp_group=None)  # kept alive with the blocks
+    meter = SavedActivationMeter(torch.device("cpu"))
+    meter.exclude_parameters(blocks)
+    return lambda: meter.context(contextlib.nullcontext())
+
+
 def _block_seconds(torch, blocks, shape: tuple[int, ...], budget_s: float, autocast=None) -> tuple[float, float]:
-    """(forward, backward) thread seconds of one of `blocks` (a sequence) on an input of `shape`; the forward
-    under `torch.autocast(cpu, autocast)` when given, as the runtime runs bf16 and fp16."""
+    """(forward, backward) thread seconds of one of `blocks` (a sequence) on an input of `shape`, its forward
+    under the runtime's meter hooks and under `torch.autocast(cpu, autocast)` when given, as the runtime runs
+    bf16 and fp16."""
     x = torch.randn(*shape, requires_grad=True)
     grad = torch.ones(*shape)
+    saving = _as_the_runtime_runs(torch, blocks)
+
+    cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None else contextlib.nullcontext
 
     def forward():
-        if autocast is None:
-            return blocks(x)
-        with torch.autocast("cpu", dtype=autocast):
+        with saving(), cast():
             return blocks(x)
 
-    def both():  # parameter gradients too, as in training
-        blocks.zero_grad(set_to_none=True)
+    def both():  # parameter gradients too, added into the fp32 buffer as the runtime's are
         forward().backward(grad)
 
     forward_s = time_calls(forward, budget_s, _no_sync, time.thread_time)
@@ -152,12 +172,13 @@ def _reference_block_s(torch, dtype, budget_s: float, clock=time.thread_time) ->
     blocks = torch.nn.Sequential(*(Block(spec) for _ in range(2)))
     grad = torch.ones(batch, spec.seq_length, spec.hidden_size)
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    saving = _as_the_runtime_runs(torch, blocks)
     forward_s = backward_s = 0.0
     calls = 0
     while calls < 2 or forward_s + backward_s < 2 * budget_s:
         inputs = [torch.randn(*grad.shape, requires_grad=True) for _ in range(REFERENCE_IN_FLIGHT)]
         start = clock()
-        with autocast:
+        with saving(), autocast:
             outputs = [blocks(x) for x in inputs]
         middle = clock()
         for y in outputs:

@@ -108,6 +108,7 @@ def apply_factors(model: DeviceModel, factors: DeviceFactors | None) -> DeviceMo
                    launch_overhead_s=model.launch_overhead_s * factors.overhead,
                    block_overhead_s=None if block is None else (block[0] * factors.overhead,
                                                                 block[1] * factors.overhead),
+                   tp_block_overhead_s=tuple(v * factors.overhead for v in model.tp_block_overhead_s),
                    tp_comm_efficiency=model.tp_comm_efficiency * factors.tp_comm,
                    dp_comm_efficiency=model.dp_comm_efficiency * factors.dp_comm)
 

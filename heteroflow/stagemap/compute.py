@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from heteroflow.config.model import ModelSpec
+from heteroflow.layout import GRAD_REDUCE_BYTES
 from heteroflow.layout.routing import load_allowance, routed_pairs_per_rank
 from heteroflow.layout.shards import active_ffn_width, kv_heads_per_rank, mlp_matrices
 from heteroflow.stagemap.hardware import DeviceModel
@@ -156,8 +157,18 @@ def layer_forward(model: ModelSpec, dev: DeviceModel, *, tokens: float, tp: int,
     else:
         overhead = dev.launch_s(KERNELS_PER_LAYER)
         overhead_bwd = 2 * overhead
+    if tp > 1:  # the tp functions around the block's collectives (measured on emulated ranks)
+        overhead, overhead_bwd = overhead + dev.tp_block_overhead_s[0], overhead_bwd + dev.tp_block_overhead_s[1]
     return LayerCompute(gemm_s=gemm, attention_s=attention, elementwise_s=elementwise, activation_fn_s=act_fn,
                         overhead_s=overhead, attention_backward_s=attention_bwd, overhead_backward_s=overhead_bwd)
+
+
+def grad_accumulate_s(params: float, dev: DeviceModel, *, weight_bytes: int) -> float:
+    """Adding one backward's gradients of `params` parameters into the fp32 gradient buffer, as the runtime's
+    on-device optimizers do after every micro-batch (`models.data_parallel.DataParallelAdamW`): the gradient
+    autograd produced (in the parameters' dtype, `weight_bytes` each) is read, the buffer read and written, at
+    the device's memory bandwidth. (The hook's fixed host cost per parameter is in the block overhead.)"""
+    return params * (weight_bytes + 2 * GRAD_REDUCE_BYTES) / (dev.hbm_gb_per_s * 1e9)
 
 
 def embedding_s(model: ModelSpec, dev: DeviceModel, *, tokens: float, dtype_bytes: int) -> tuple[float, float]:

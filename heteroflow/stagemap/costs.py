@@ -48,7 +48,7 @@ from heteroflow.stagemap.comm import all_gather_s, all_reduce_s, dp_link, ep_all
 from heteroflow.layout.routing import ALLTOALLS_PER_LAYER, alltoall_bytes_per_rank, load_allowance
 from heteroflow.layout.shards import (embedding_params_per_rank, expert_params_per_rank, head_params_per_rank,
                                       kv_heads_per_rank, layer_params_per_rank)
-from heteroflow.stagemap.compute import embedding_s, head_s, layer_forward
+from heteroflow.stagemap.compute import embedding_s, grad_accumulate_s, head_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware
 from heteroflow.stagemap.topology import Placement, slices, stage_fractions
 from heteroflow.layout import GRAD_REDUCE_BYTES, ParallelLayout
@@ -236,12 +236,17 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     elif layout.recompute == "selective":
         compute_bwd += b.attn_fwd + b.activation_fn_s
 
+    off = layout.offload
+    accumulate_emb = accumulate_head = 0.0
+    if layout.zero < 3 and off.optimizer == "device":  # (ZeRO-3 reduce-scatters, offload adds on the host)
+        compute_bwd += b.accumulate[0]
+        _, accumulate_emb, accumulate_head = b.accumulate
+
     # Traffic hidden behind each block's compute.
     overlap_fwd = overlap_bwd = 0.0
     if layout.zero >= 3:  # `models.zero3`: gathered for forward, again for backward, gradients reduced in fp32
         overlap_fwd += b.gather_weights_s
         overlap_bwd += b.gather_weights_s + b.zero3_scatter_s
-    off = layout.offload
     if off.params != "device":
         read_bw, write_bw = _tier_bandwidth(hw.device, hw, off.params)
         shard = b.p_layer / (layout.replicas if layout.zero >= 3 else 1)
@@ -254,7 +259,7 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
     fwd_layer = max(compute_fwd, overlap_fwd) + b.tp_fwd + b.alltoall_fwd
     bwd_layer = max(compute_bwd, overlap_bwd) + tp_bwd + a2a_bwd
 
-    emb_f, emb_b, head_f, head_b = b.emb_f, b.emb_b, b.head_f, b.head_b
+    emb_f, emb_b, head_f, head_b = b.emb_f, b.emb_b + accumulate_emb, b.head_f, b.head_b + accumulate_head
     if layout.zero >= 3:
         emb_f, emb_b, head_f, head_b = (emb_f + b.zero3_extras[0], emb_b + b.zero3_extras[1],
                                         head_f + b.zero3_extras[2], head_b + b.zero3_extras[3])
@@ -327,6 +332,8 @@ class _Base:
     head_f: float
     head_b: float
     zero3_extras: tuple[float, float, float, float]
+    accumulate: tuple[float, float, float]
+    """Adding a micro-batch's gradients into the on-device fp32 buffer: a block's, the embedding's, the head's."""
     params: Affine
     stored: dict = field(hash=False)
     """Stored activation bytes per block and micro-batch, by recompute mode."""
@@ -408,6 +415,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                  alltoall_bwd=alltoall_bwd, p_layer=p_layer, p_expert=p_expert, gather_weights_s=block_gather(wb, z3),
                  zero3_scatter_s=block_gather(GRAD_REDUCE_BYTES, z3), emb_f=emb_f, emb_b=emb_b,
                  head_f=head_f, head_b=head_b, zero3_extras=zero3, params=params,
+                 accumulate=tuple(grad_accumulate_s(p, dev, weight_bytes=wb) for p in (p_layer, p_emb, p_head)),
                  stored={rc: activation_bytes(model, tokens=tokens, tp=tp, sp=sp, recompute=rc, dtype_bytes=act,
                                               etp=etp)
                          for rc in ("none", "selective", "full")},

@@ -22,8 +22,9 @@ from heteroflow.config.catalog import CATALOG
 from heteroflow.config.device import DeviceSpec
 from heteroflow.config.model import ModelSpec
 from heteroflow.layout import PRECISIONS
+from heteroflow.layout.shards import layer_params_per_rank
 from heteroflow.stagemap.calibration import Calibration, apply_factors
-from heteroflow.stagemap.compute import layer_forward
+from heteroflow.stagemap.compute import grad_accumulate_s, layer_forward
 from heteroflow.stagemap.hardware import DeviceModel, Hardware, apply_measurements, device_model, threads_per_process
 from heteroflow.stagemap.memory import dtype_bytes
 from heteroflow.stagemap.profile import (REFERENCE_SHAPE_KEYS, DeviceProfile, Profile, ThreadProfile, per_core_value,
@@ -100,7 +101,8 @@ def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, 
         gemm = thread.gemm_tflops[precision]
         overhead = ((thread.block_forward_overhead_s, thread.block_backward_overhead_s)
                     if thread.block_forward_overhead_s > 0 and thread.block_backward_overhead_s > 0 else None)
-        one = replace(base, memory_gib=memory_gib, share=1.0,
+        tp_overhead = busy.tp_block_overhead_s if busy is not None and busy.tp_block_overhead_s else (0.0, 0.0)
+        one = replace(base, memory_gib=memory_gib, share=1.0, tp_block_overhead_s=tp_overhead,
                       measured=DeviceProfile(device_type="cpu", vendor="cpu", gemm_tflops={precision: gemm}),
                       peak_tflops=max(r for _, r in gemm), hbm_gb_per_s=thread.elementwise_gb_per_s,
                       attention_tflops=thread.attention_tflops.get(precision, ()), block_overhead_s=overhead)
@@ -129,6 +131,9 @@ def in_block_slowdown(one_thread: DeviceModel, thread: ThreadProfile, precision:
     spec = ModelSpec(num_layers=1, vocab_size=16, **shape)
     lc = layer_forward(spec, one_thread, tokens=batch * spec.seq_length, tp=1, sp=False,
                        dtype_bytes=dtype_bytes(precision))
-    predicted = 3 * lc.gemm_s + lc.attention_s + lc.attention_backward_s + 3 * lc.elementwise_s
+    # The reference block's parameters are fp32 (autocast computes in the lower precision) and its backward
+    # adds their gradients into a `DataParallelAdamW`'s buffer, as the runtime's does.
+    predicted = (3 * lc.gemm_s + lc.attention_s + lc.attention_backward_s + 3 * lc.elementwise_s
+                 + grad_accumulate_s(layer_params_per_rank(spec, 1), one_thread, weight_bytes=4))
     kernels = sum(measured) - lc.overhead_s - lc.overhead_backward_s
     return kernels / predicted if kernels > 0 and predicted > 0 else 1.0

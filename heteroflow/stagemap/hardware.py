@@ -81,6 +81,10 @@ class DeviceModel:
     attention core is priced from the GEMM rate."""
     block_overhead_s: tuple[float, float] | None = None
     """Measured (forward, backward) host seconds of one decoder block; None: `launch_s` of its kernels."""
+    tp_block_overhead_s: tuple[float, float] = (0.0, 0.0)
+    """Measured (forward, backward) host seconds a tp layout adds to a block outside its collectives (emulated
+    ranks: the profile's `emulation.tp_block_overhead_s`; on accelerators the tp functions' few kernels are in
+    the launch count)."""
     gemm_efficiency: float = 1.0
     """Calibration (`stagemap.calibration`): multiplier of the GEMM and attention rates."""
     tp_comm_efficiency: float = 1.0

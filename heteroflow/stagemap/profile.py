@@ -41,6 +41,7 @@ profile:
     busy_latency_s: [[1, 1.0e-03], [2, 1.6e-03], [4, 2.0e-03]]   # [processes per core, seconds per ring step]
     oversubscribed_slowdown: [[2, 1.1], [4, 1.2]]   # [processes per core, CPU time per unit of work / alone]
     thread_speedup: [[2, 1.2]]         # [torch threads, the real block's speed over one thread's] (optional)
+    tp_block_overhead_s: [3.0e-04, 3.0e-04]   # [forward, backward] host seconds tp 2 adds to a block (optional)
 ```
 """
 
@@ -175,6 +176,10 @@ class EmulationProfile:
     block, forward and backward) with that many threads than with one, in wall time on the host to itself (the
     best of several rounds). Small kernels barely use a second thread; without it each thread is taken to add
     one thread's rate (`thread_speedup`)."""
+    tp_block_overhead_s: tuple[float, float] = ()
+    """(forward, backward): the host seconds a tensor-parallel layout adds to one decoder block per micro-batch
+    outside its collectives (the tp functions around them, the sharded projections' extra work), measured on
+    two ranks at tp 2 with the runtime's timer, minus the same ranks' block at tp 1. Empty: not measured (0)."""
 
 
 
@@ -233,6 +238,8 @@ class Profile:
                                 "oversubscribed_slowdown": [[_r(r), _r(v)] for r, v in e.oversubscribed_slowdown]}
             if e.thread_speedup:
                 out["emulation"]["thread_speedup"] = [[_r(t), _r(v)] for t, v in e.thread_speedup]
+            if e.tp_block_overhead_s:
+                out["emulation"]["tp_block_overhead_s"] = [_r(v) for v in e.tp_block_overhead_s]
         if self.cpu_thread is not None:
             t = self.cpu_thread
             out["cpu_thread"] = {
@@ -350,7 +357,8 @@ def _emulation(sec: Section) -> EmulationProfile | None:
         return None
     out = EmulationProfile(busy_latency_s=_per_core_points(es, "busy_latency_s", minimum=1.0),
                            oversubscribed_slowdown=_per_core_points(es, "oversubscribed_slowdown", minimum=1.0 + 1e-9),
-                           thread_speedup=_per_core_points(es, "thread_speedup", minimum=2.0, what="torch threads"))
+                           thread_speedup=_per_core_points(es, "thread_speedup", minimum=2.0, what="torch threads"),
+                           tp_block_overhead_s=_forward_backward(es, "tp_block_overhead_s"))
     es.finish()
     return out
 
@@ -365,6 +373,18 @@ def _per_core_points(sec: Section, key: str, *, minimum: float,
                                       "pairs of finite positive numbers")
         return ()
     return tuple(sorted((float(r), float(v)) for r, v in points))
+
+
+def _forward_backward(sec: Section, key: str) -> tuple[float, float] | tuple[()]:
+    """`[forward, backward]` seconds, each finite and at least 0; () when absent."""
+    value = sec.sequence(key, None)
+    if value is None:
+        return ()
+    if not (len(value) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                    and _SECONDS.minimum <= v <= _SECONDS.maximum for v in value)):
+        sec.problems.add(sec.at(key), f"expected [forward, backward] seconds, each {_SECONDS.describe()}")
+        return ()
+    return float(value[0]), float(value[1])
 
 
 def thread_speedup(emulation: EmulationProfile | None, threads: int) -> float:

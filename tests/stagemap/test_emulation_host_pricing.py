@@ -11,6 +11,8 @@ import pytest
 from heteroflow.config import parse_job
 from heteroflow.errors import ConfigError
 from heteroflow.stagemap import evaluate_plan, load_profile, save_profile
+from heteroflow.stagemap.calibration import DeviceFactors, apply_factors
+from heteroflow.stagemap.compute import layer_forward
 from heteroflow.stagemap.emulation import emulated_device
 from heteroflow.stagemap.pipeline import run_shared, sharing_speed
 from heteroflow.stagemap.estimate import computing_per_core
@@ -140,3 +142,32 @@ def test_the_thread_speedup_round_trips_and_is_checked(tmp_path):
     with pytest.raises(ConfigError) as error:
         load_profile(tmp_path / "bad.yaml")
     assert "profile.emulation.thread_speedup: expected a list of [torch threads (at least 2), value]" in str(error.value)
+
+
+def test_the_tp_block_overhead_round_trips_and_is_checked(tmp_path):
+    measured = replace(BUSY, tp_block_overhead_s=(3e-4, 2e-4))
+    save_profile(_profile(measured), tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").emulation == measured
+    text = (tmp_path / "p.yaml").read_text()
+    assert "tp_block_overhead_s: [0.0003, 0.0002]" in text
+    (tmp_path / "bad.yaml").write_text(text.replace("[0.0003, 0.0002]", "[0.0003, -1]"))
+    with pytest.raises(ConfigError) as error:
+        load_profile(tmp_path / "bad.yaml")
+    assert "profile.emulation.tp_block_overhead_s: expected [forward, backward] seconds, each" in str(error.value)
+
+
+def test_a_tp_block_pays_the_measured_tp_overhead_and_the_calibration_scales_it():
+    measured = replace(BUSY, tp_block_overhead_s=(3e-4, 2e-4))
+    spec = parse_job({"cluster": {"nodes": [{"name": "n", "device": "cpu", "count": 2}]},
+                      "model": {"preset": "tiny-llama"}, "train": {"global_batch_size": 4}}).model
+    plain, with_tp = (emulated_device("fp32", profile=_profile(p), num_ranks=2, cores=2) for p in (BUSY, measured))
+
+    def host(dev, tp):
+        lc = layer_forward(spec, dev, tokens=128, tp=tp, sp=False, dtype_bytes=4)
+        return lc.overhead_s, lc.overhead_backward_s
+
+    assert host(with_tp, 1) == host(plain, 1) == (4e-4, 6e-4)  # tp 1 runs no tp functions
+    assert host(with_tp, 2) == pytest.approx((4e-4 + 3e-4, 6e-4 + 2e-4))
+    assert host(plain, 2) == (4e-4, 6e-4)  # not measured: nothing added
+    slow = apply_factors(with_tp, DeviceFactors(overhead=2.0))
+    assert host(slow, 2) == pytest.approx((2 * (4e-4 + 3e-4), 2 * (6e-4 + 2e-4)))

@@ -12,10 +12,11 @@ from heteroflow.config.model import ModelSpec
 from heteroflow.errors import ConfigError
 from heteroflow.launcher.launch import threads_per_process as launcher_threads
 from heteroflow.stagemap import evaluate_plan, load_profile, save_profile
-from heteroflow.stagemap.compute import elementwise_elements, layer_forward
+from heteroflow.stagemap.compute import elementwise_elements, grad_accumulate_s, layer_forward
 from heteroflow.stagemap.costs import (DEVICE_ADAM_BYTES_PER_PARAM, FLAT_BUFFER_BYTES_PER_PARAM, StageHardware,
                                        stage_costs)
 from heteroflow.layout import ParallelLayout
+from heteroflow.layout.shards import layer_params_per_rank
 from heteroflow.stagemap.emulation import emulated_device, in_block_slowdown
 from heteroflow.stagemap.hardware import Hardware, threads_per_process
 from heteroflow.stagemap.profile import (PROFILE_VERSION, DeviceProfile, HostProfile, LinkProfile, Profile,
@@ -132,7 +133,9 @@ def test_the_reference_block_scales_the_rates_to_what_a_real_block_ran():
     spec = ModelSpec(num_layers=1, vocab_size=16, **{k: v for k, v in REFERENCE.items() if k != "micro_batch_size"})
     lc = layer_forward(spec, one, tokens=3 * 128, tp=1, sp=False, dtype_bytes=4)
     kernels_f = lc.gemm_s + lc.attention_s + lc.elementwise_s
-    kernels_b = 2 * lc.gemm_s + lc.attention_backward_s + 2 * lc.elementwise_s
+    # Its backward also adds the fp32 parameters' gradients into the runtime's fp32 buffer.
+    accumulate = grad_accumulate_s(layer_params_per_rank(spec, 1), one, weight_bytes=4)
+    kernels_b = 2 * lc.gemm_s + lc.attention_backward_s + 2 * lc.elementwise_s + accumulate
     # The real block took twice the kernels' predicted time, plus the fixed overhead.
     measured = (2 * kernels_f + lc.overhead_s, 2 * kernels_b + lc.overhead_backward_s)
     thread = _thread(reference_block_shape=dict(REFERENCE), reference_block_s={"fp32": measured})
