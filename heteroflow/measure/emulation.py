@@ -130,7 +130,7 @@ def _tp_block_overhead(torch, pair, tp_rounds: int) -> tuple[float, float]:
     from heteroflow.devices.facade import NullEvent
     from heteroflow.devices.timing import PartTimer
     from heteroflow.layout import ParallelLayout
-    from heteroflow.measure.thread import _as_the_runtime_runs
+    from heteroflow.measure.thread import as_the_runtime_runs
     from heteroflow.models.init import init_weights
     from heteroflow.models.llama import build_stage_model
     from heteroflow.models.parallelize import parallelize_stage
@@ -142,7 +142,7 @@ def _tp_block_overhead(torch, pair, tp_rounds: int) -> tuple[float, float]:
         model = build_stage_model(spec, first_layer=0, last_layer=_TP_BLOCKS, is_first=False, is_last=False)
         parallelize_stage(model, layout=ParallelLayout(tp=tp), tp_group=pair if tp > 1 else None)
         init_weights(model, seed=0)
-        stages[tp] = (model, _as_the_runtime_runs(torch, model))
+        stages[tp] = (model, as_the_runtime_runs(torch, model))
     x = torch.randn(1, spec.seq_length, spec.hidden_size)
     grad = torch.ones_like(x)
 

@@ -111,7 +111,7 @@ def _attention_tflops(torch, head_dim: int, dtype, budget_s: float) -> tuple[flo
     return flops / forward_s / 1e12, flops / backward_s / 1e12
 
 
-def _as_the_runtime_runs(torch, blocks):
+def as_the_runtime_runs(torch, blocks):
     """Set `blocks` up as a training stage holds them: their parameters in the runtime's `DataParallelAdamW`
     (one rank), whose hooks add every backward's gradients into its fp32 buffer. Returns a context factory:
     the saved-tensor hooks of the runtime's activation meter, which every training forward runs under."""
@@ -130,7 +130,7 @@ def _block_seconds(torch, blocks, shape: tuple[int, ...], budget_s: float, autoc
     bf16 and fp16."""
     x = torch.randn(*shape, requires_grad=True)
     grad = torch.ones(*shape)
-    saving = _as_the_runtime_runs(torch, blocks)
+    saving = as_the_runtime_runs(torch, blocks)
 
     cast = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast is not None else contextlib.nullcontext
 
@@ -172,7 +172,7 @@ def _reference_block_s(torch, dtype, budget_s: float, clock=time.thread_time) ->
     blocks = torch.nn.Sequential(*(Block(spec) for _ in range(2)))
     grad = torch.ones(batch, spec.seq_length, spec.hidden_size)
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
-    saving = _as_the_runtime_runs(torch, blocks)
+    saving = as_the_runtime_runs(torch, blocks)
     forward_s = backward_s = 0.0
     calls = 0
     while calls < 2 or forward_s + backward_s < 2 * budget_s:
@@ -184,7 +184,6 @@ def _reference_block_s(torch, dtype, budget_s: float, clock=time.thread_time) ->
         for y in outputs:
             y.backward(grad)
         end = clock()
-        blocks.zero_grad(set_to_none=True)
         if calls > 0:  # the first round is a warm-up
             forward_s, backward_s = forward_s + middle - start, backward_s + end - middle
         calls += 1

@@ -167,7 +167,8 @@ def grad_accumulate_s(params: float, dev: DeviceModel, *, weight_bytes: int) -> 
     """Adding one backward's gradients of `params` parameters into the fp32 gradient buffer, as the runtime's
     on-device optimizers do after every micro-batch (`models.data_parallel.DataParallelAdamW`): the gradient
     autograd produced (in the parameters' dtype, `weight_bytes` each) is read, the buffer read and written, at
-    the device's memory bandwidth. (The hook's fixed host cost per parameter is in the block overhead.)"""
+    the device's memory bandwidth. (The hook's fixed host cost per parameter is in the measured block overhead of
+    an emulated rank; on accelerators its launches are not counted.)"""
     return params * (weight_bytes + 2 * GRAD_REDUCE_BYTES) / (dev.hbm_gb_per_s * 1e9)
 
 

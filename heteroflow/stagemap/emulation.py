@@ -121,8 +121,9 @@ def emulated_device(precision: str, *, profile: Profile | None, num_ranks: int, 
 def in_block_slowdown(one_thread: DeviceModel, thread: ThreadProfile, precision: str) -> float:
     """How much slower the kernels of heteroflow's real block ran than `one_thread`'s rates (from the curves)
     predict, at the profile's reference shape: measured block time less the fixed per-block overhead, over
-    the predicted GEMM, attention and elementwise time. Kernels timed alone reuse warm buffers; inside a
-    training step they also touch fresh activations and miss caches. 1.0 when the profile has no reference."""
+    the predicted GEMM, attention, elementwise and gradient-accumulation time. Kernels timed alone reuse warm
+    buffers; inside a training step they also touch fresh activations and miss caches. 1.0 when the profile has
+    no reference."""
     measured = thread.reference_block_s.get(precision)
     shape = dict(thread.reference_block_shape)
     if not measured or len(shape) != len(REFERENCE_SHAPE_KEYS):

@@ -82,9 +82,9 @@ class DeviceModel:
     block_overhead_s: tuple[float, float] | None = None
     """Measured (forward, backward) host seconds of one decoder block; None: `launch_s` of its kernels."""
     tp_block_overhead_s: tuple[float, float] = (0.0, 0.0)
-    """Measured (forward, backward) host seconds a tp layout adds to a block outside its collectives (emulated
-    ranks: the profile's `emulation.tp_block_overhead_s`; on accelerators the tp functions' few kernels are in
-    the launch count)."""
+    """Measured (forward, backward) host seconds a tp layout adds to a block outside its collectives: emulated
+    ranks, the profile's `emulation.tp_block_overhead_s` (measured at tp 2 without sp, paid at every tp above 1,
+    with or without sp); on accelerators not priced (0)."""
     gemm_efficiency: float = 1.0
     """Calibration (`stagemap.calibration`): multiplier of the GEMM and attention rates."""
     tp_comm_efficiency: float = 1.0

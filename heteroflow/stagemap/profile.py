@@ -176,10 +176,11 @@ class EmulationProfile:
     block, forward and backward) with that many threads than with one, in wall time on the host to itself (the
     best of several rounds). Small kernels barely use a second thread; without it each thread is taken to add
     one thread's rate (`thread_speedup`)."""
-    tp_block_overhead_s: tuple[float, float] = ()
+    tp_block_overhead_s: tuple[float, float] | tuple[()] = ()
     """(forward, backward): the host seconds a tensor-parallel layout adds to one decoder block per micro-batch
     outside its collectives (the tp functions around them, the sharded projections' extra work), measured on
-    two ranks at tp 2 with the runtime's timer, minus the same ranks' block at tp 1. Empty: not measured (0)."""
+    two ranks at tp 2 without sp with the runtime's timer, minus the same ranks' block at tp 1; priced for every
+    tp above 1, with or without sp. Empty: not measured (0)."""
 
 
 

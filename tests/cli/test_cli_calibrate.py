@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -61,8 +62,11 @@ def test_calibrate_from_metrics_files_then_plan_with_it(files, capsys):
     assert "calibrated from 2 real runs" in out and A100 in out and "not pinned down" in out
     cal = yaml.safe_load((files / "cal.yaml").read_text())
     assert cal["version"] == 1 and cal["num_runs"] == 2 and set(cal["device_types"]) == {A100}
-    # two runs pin the GEMM rate down only so far: the prior (a slow stack has a slow host too) takes some of it
-    assert cal["device_types"][A100]["gemm"] == pytest.approx(0.55, rel=0.2)
+    # Two runs pin the GEMM rate down only so far: the prior (a slow stack has a slow host too, and a slow memory)
+    # takes some of it. The fit goes at least two thirds of the way (in log) from the uncalibrated 1.0 to the truth.
+    fitted = cal["device_types"][A100]["gemm"]
+    truth = TRUTH.factors[A100].gemm
+    assert truth < fitted < 1.0 and math.log(fitted) < (2 / 3) * math.log(truth)
     assert all(r["ratio_after"] == pytest.approx(1.0, abs=0.02) for r in cal["runs"])
 
     status, plain, _ = run(capsys, "plan", files / "job.yaml", "--evaluate", files / "a.yaml", "--json")
