@@ -237,10 +237,10 @@ def costs_from_base(hw: StageHardware, layout: ParallelLayout, b: "_Base") -> St
         compute_bwd += b.attn_fwd + b.activation_fn_s
 
     off = layout.offload
-    accumulate_emb = accumulate_head = 0.0
-    if layout.zero < 3 and off.optimizer == "device":  # (ZeRO-3 reduce-scatters, offload adds on the host)
-        compute_bwd += b.accumulate[0]
-        _, accumulate_emb, accumulate_head = b.accumulate
+    # ZeRO-3 reduce-scatters each micro-batch's gradients instead; an offloaded optimizer adds them in its tier.
+    on_device = layout.zero < 3 and off.optimizer == "device"
+    accumulate_layer, accumulate_emb, accumulate_head = b.accumulate if on_device else (0.0, 0.0, 0.0)
+    compute_bwd += accumulate_layer
 
     # Traffic hidden behind each block's compute.
     overlap_fwd = overlap_bwd = 0.0

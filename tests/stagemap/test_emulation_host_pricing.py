@@ -34,16 +34,22 @@ def _profile(emulation: EmulationProfile | None = BUSY) -> Profile:
                    cpu_thread=thread, emulation=emulation)
 
 
-def test_the_emulation_section_round_trips_and_is_checked(tmp_path):
-    save_profile(_profile(), tmp_path / "p.yaml")
-    assert load_profile(tmp_path / "p.yaml").emulation == BUSY
+def _round_trip_then_corrupt(tmp_path, emulation: EmulationProfile, written: str, corrupted: str) -> str:
+    """Save a profile with `emulation`, check it loads back equal and its file holds `written`; then load the
+    file with `written` replaced by `corrupted` and return the error it must raise."""
+    save_profile(_profile(emulation), tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml").emulation == emulation
     text = (tmp_path / "p.yaml").read_text()
-    assert "- [2.0, 1.2]" in text
-    (tmp_path / "bad.yaml").write_text(text.replace("- [2.0, 1.2]", "- [0.5, 1.2]"))
+    assert written in text
+    (tmp_path / "bad.yaml").write_text(text.replace(written, corrupted))
     with pytest.raises(ConfigError) as error:
         load_profile(tmp_path / "bad.yaml")
-    assert "profile.emulation.oversubscribed_slowdown: expected a list of [processes per core (at least 1)" in str(
-        error.value)
+    return str(error.value)
+
+
+def test_the_emulation_section_round_trips_and_is_checked(tmp_path):
+    error = _round_trip_then_corrupt(tmp_path, BUSY, "- [2.0, 1.2]", "- [0.5, 1.2]")
+    assert "profile.emulation.oversubscribed_slowdown: expected a list of [processes per core (at least 1)" in error
 
 
 def test_more_threads_than_cores_run_slower_than_processor_sharing_by_the_measured_slowdown():
@@ -135,25 +141,15 @@ def test_a_ranks_threads_give_the_measured_speedup():
 
 def test_the_thread_speedup_round_trips_and_is_checked(tmp_path):
     measured = replace(BUSY, thread_speedup=((2.0, 1.25),))
-    save_profile(_profile(measured), tmp_path / "p.yaml")
-    assert load_profile(tmp_path / "p.yaml").emulation == measured
-    text = (tmp_path / "p.yaml").read_text()
-    (tmp_path / "bad.yaml").write_text(text.replace("- [2.0, 1.25]", "- [1.0, 1.25]"))
-    with pytest.raises(ConfigError) as error:
-        load_profile(tmp_path / "bad.yaml")
-    assert "profile.emulation.thread_speedup: expected a list of [torch threads (at least 2), value]" in str(error.value)
+    error = _round_trip_then_corrupt(tmp_path, measured, "- [2.0, 1.25]", "- [1.0, 1.25]")
+    assert "profile.emulation.thread_speedup: expected a list of [torch threads (at least 2), value]" in error
 
 
 def test_the_tp_block_overhead_round_trips_and_is_checked(tmp_path):
     measured = replace(BUSY, tp_block_overhead_s=(3e-4, 2e-4))
-    save_profile(_profile(measured), tmp_path / "p.yaml")
-    assert load_profile(tmp_path / "p.yaml").emulation == measured
-    text = (tmp_path / "p.yaml").read_text()
-    assert "tp_block_overhead_s: [0.0003, 0.0002]" in text
-    (tmp_path / "bad.yaml").write_text(text.replace("[0.0003, 0.0002]", "[0.0003, -1]"))
-    with pytest.raises(ConfigError) as error:
-        load_profile(tmp_path / "bad.yaml")
-    assert "profile.emulation.tp_block_overhead_s: expected [forward, backward] seconds, each" in str(error.value)
+    error = _round_trip_then_corrupt(tmp_path, measured, "tp_block_overhead_s: [0.0003, 0.0002]",
+                                     "tp_block_overhead_s: [0.0003, -1]")
+    assert "profile.emulation.tp_block_overhead_s: expected [forward, backward] seconds, each" in error
 
 
 def test_a_tp_block_pays_the_measured_tp_overhead_and_the_calibration_scales_it():
