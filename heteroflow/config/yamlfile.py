@@ -6,11 +6,17 @@ YAML itself may nest at most `MAX_DEPTH` levels and expand to at most `MAX_NODES
 counted at every use (this refuses "billion laughs" alias bombs), and its mapping keys must be plain
 scalars. Merge keys (`<<: *base`) work, later keys overriding merged ones; a key written twice in one
 mapping is an error. Every failure is a `UserError` naming the file (and the line and column where known).
+
+Numbers in exponent form read as YAML 1.2 (and OmegaConf, NeMo's loader) read them: `lr: 3e-4` and
+`tokens_per_s: 1.2e5` are floats, where PyYAML's YAML 1.1 rules (a dot and a signed exponent) would leave them
+strings (`add_exponent_floats`). heteroflow writes YAML with `dump_yaml`, which quotes a string of that form
+(a node named `1e3`) so that it reads back as the same string.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -30,6 +36,16 @@ MAX_NODES = 100_000
 a job has about a hundred."""
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+"""A number with an exponent, with or without a dot or the exponent's sign (YAML 1.2's core schema)."""
+
+
+def add_exponent_floats(loader: type[yaml.SafeLoader]) -> type[yaml.SafeLoader]:
+    """`loader`, resolving exponent-form numbers (`3e-4`, `1E5`, `.5e3`) as floats; PyYAML's own float and int
+    rules keep their forms. Modifies the class (a subclass of SafeLoader gets its own resolver table)."""
+    loader.add_implicit_resolver(_FLOAT_TAG, EXPONENT_FLOAT, list("-+0123456789."))
+    return loader
 
 
 def _kind(mode: int) -> str:
@@ -122,6 +138,21 @@ class StrictLoader(yaml.SafeLoader):
         node = super().compose_mapping_node(anchor)
         _check_keys(self, node)
         return node
+
+
+add_exponent_floats(StrictLoader)
+
+
+class Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings `StrictLoader` would read as exponent-form floats."""
+
+
+add_exponent_floats(Dumper)
+
+
+def dump_yaml(data, **options) -> str:
+    """`data` as YAML text that `read_yaml` reads back unchanged (`yaml.dump` options pass through)."""
+    return yaml.dump(data, Dumper=Dumper, **options)
 
 
 def _check_keys(loader: StrictLoader, node: MappingNode) -> None:

@@ -19,11 +19,10 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from heteroflow.calibrate.fit import fit_calibration
 from heteroflow.calibrate.runs import load_runs
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
+from heteroflow.config.yamlfile import dump_yaml
 from heteroflow.errors import UserError
 from heteroflow.launcher.launch import TrainingFailed
 from heteroflow.launcher.prepare import TrainOptions
@@ -221,7 +220,7 @@ def write_tuned_plan(job: JobConfig, result: TuneResult, options: TuneOptions) -
                                "tokens_per_s": float(f"{result.tokens_per_step / best.measured_s:.6g}"),
                                "emulate": options.emulate, "steps": options.steps}
     table = "\n".join(f"#   {line}" for line in format_table(result).splitlines())
-    text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120)
+    text = dump_yaml(doc, sort_keys=False, default_flow_style=None, width=120)
     Path(options.output).write_text(f"# written by `heteroflow tune` (work directory {result.work_dir}):\n{table}\n"
                                     + text, encoding="utf-8")
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-import yaml
-
+from heteroflow.config.yamlfile import dump_yaml
 from heteroflow.measure.machine import measure_profile
 from heteroflow.stagemap.commands import print_json
 from heteroflow.stagemap.profile import save_profile
@@ -21,7 +20,7 @@ def profile_command(*, output: str | None = None, quick: bool = False, device_ty
     if as_json:
         print_json({"profile": profile.to_dict()})
     elif not output:
-        print(yaml.safe_dump({"profile": profile.to_dict()}, sort_keys=False, default_flow_style=None), end="")
+        print(dump_yaml({"profile": profile.to_dict()}, sort_keys=False, default_flow_style=None), end="")
     else:
         dev = profile.devices[0]
         best = max((r for curve in dev.gemm_tflops.values() for _, r in curve), default=0.0)

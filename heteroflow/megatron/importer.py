@@ -23,7 +23,7 @@ from heteroflow.config import ClusterSpec, JobConfig, parse_cluster, parse_job, 
 from heteroflow.config import limits
 from heteroflow.config.catalog import lookup
 from heteroflow.config.reader import Problems
-from heteroflow.config.yamlfile import read_text_file
+from heteroflow.config.yamlfile import Dumper, read_text_file
 from heteroflow.errors import ConfigError, UserError
 from heteroflow.layout import ParallelLayout
 from heteroflow.megatron.args import MegatronArgs, parse_argv
@@ -134,8 +134,8 @@ class _FlowDict(dict):
     """A mapping written on one line (`- {name: node-0, device: ..., count: 8}`)."""
 
 
-class _JobDumper(yaml.SafeDumper):
-    pass
+class _JobDumper(Dumper):
+    """heteroflow's dumper, writing `_FlowDict`s on one line."""
 
 
 _JobDumper.add_representer(_FlowDict, lambda dumper, data: dumper.represent_mapping(

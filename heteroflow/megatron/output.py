@@ -11,8 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
+from heteroflow.config.yamlfile import dump_yaml
 from heteroflow.errors import UserError
 from heteroflow.megatron.importer import ImportResult
 from heteroflow.megatron.placement import PLACEHOLDER_DEVICE
@@ -40,7 +39,7 @@ def emit(result: ImportResult, *, output: str | None = None, plan_out: str | Non
     elif not as_json:
         sys.stdout.write(result.job_yaml())
     if plan_out:
-        _write(plan_out, yaml.safe_dump(result.plan_dict(), sort_keys=False))
+        _write(plan_out, dump_yaml(result.plan_dict(), sort_keys=False))
     if not as_json:
         stream = sys.stdout if output else sys.stderr
         print(result.report.format(), file=stream)

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable
 
-import yaml
 
 from heteroflow.config.reader import Problems, Section
-from heteroflow.config.yamlfile import read_yaml
+from heteroflow.config.yamlfile import dump_yaml, read_yaml
 from heteroflow.errors import did_you_mean
 from heteroflow.stagemap.hardware import DeviceModel
 
@@ -124,7 +123,7 @@ def calibration_document(calibration: Calibration) -> dict:
 
 def save_calibration(calibration: Calibration, path: str | os.PathLike) -> None:
     """Write the calibration file that `cluster.calibration` and `plan --calibration` read."""
-    text = yaml.safe_dump(calibration_document(calibration), sort_keys=False, default_flow_style=None, width=120)
+    text = dump_yaml(calibration_document(calibration), sort_keys=False, default_flow_style=None, width=120)
     Path(path).write_text("# written by `heteroflow calibrate`; use it with `cluster.calibration: FILE`\n" + text,
                           encoding="utf-8")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
-
+from heteroflow.config.yamlfile import dump_yaml
 from heteroflow.stagemap.estimate import PlanEstimate
 
 
@@ -24,6 +23,6 @@ def plan_document(estimate: PlanEstimate) -> dict:
 
 def write_plan(estimate: PlanEstimate, path: str | os.PathLike) -> None:
     """Write the plan file that `--evaluate` and `train --plan` accept unchanged."""
-    text = yaml.safe_dump(plan_document(estimate), sort_keys=False, default_flow_style=None, width=120)
+    text = dump_yaml(plan_document(estimate), sort_keys=False, default_flow_style=None, width=120)
     Path(path).write_text("# written by `heteroflow plan`; `predicted` is what the cost model expects\n" + text,
                           encoding="utf-8")

@@ -52,11 +52,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from heteroflow.config import limits
 from heteroflow.config.device import PRECISIONS, VENDORS
 from heteroflow.config.reader import Problems, Section
+from heteroflow.config.yamlfile import dump_yaml
 
 PROFILE_VERSION = 3
 """2 added `cpu_thread` and the link's all-reduce figures; version 1 files (without them) are still read:
@@ -262,7 +261,7 @@ def _r(x: float) -> float:
 
 def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     """Write `profile` as YAML (one top-level `profile:` mapping)."""
-    text = yaml.safe_dump({"profile": profile.to_dict()}, sort_keys=False, default_flow_style=None, width=120)
+    text = dump_yaml({"profile": profile.to_dict()}, sort_keys=False, default_flow_style=None, width=120)
     Path(path).write_text("# written by `heteroflow profile`; name it in a job as cluster.profile\n" + text,
                           encoding="utf-8")
 

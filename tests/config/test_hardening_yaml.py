@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from heteroflow.config import load_job, read_yaml
-from heteroflow.config.yamlfile import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES
+from heteroflow.config.yamlfile import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, dump_yaml
 from heteroflow.errors import UserError
 
 
@@ -158,3 +158,33 @@ def test_cli_reports_hostile_yaml_with_exit_2(write_yaml, content):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr) < 2000
     assert result.stderr.startswith(f"heteroflow validate: error: {'/dev/zero' if 'zero' in content else job}")
+
+
+@pytest.mark.parametrize("text, value", [("3e-4", 3e-4), ("1.2e5", 1.2e5), ("1E5", 1e5), (".5e3", 500.0),
+                                         ("-2e+3", -2000.0), ("+1e5", 1e5), ("1.e3", 1000.0), ("1.5e-4", 1.5e-4)])
+def test_exponent_numbers_are_floats(write_yaml, text, value):
+    """YAML 1.2 reads `3e-4` as a number; PyYAML's YAML 1.1 rules would leave it a string and fail the job."""
+    assert read_yaml(write_yaml(f"x: {text}\n")) == {"x": value}
+
+
+@pytest.mark.parametrize("text", ["1e", "e5", "v1e5", "1e5x", "12e", "1e5e3"])
+def test_exponent_lookalikes_stay_strings(write_yaml, text):
+    assert read_yaml(write_yaml(f"x: {text}\n")) == {"x": text}
+
+
+def test_job_learning_rates_in_exponent_form(write_yaml):
+    path = write_yaml("""
+        cluster: {nodes: [{name: g0, device: cpu, count: 1}]}
+        model: {preset: micro-llama}
+        train: {global_batch_size: 4, lr: 3e-4, min_lr: 3e-5}
+        """)
+    train = load_job(path).train
+    assert (train.lr, train.min_lr) == (3e-4, 3e-5)
+
+
+def test_written_yaml_reads_back_unchanged(tmp_path):
+    """heteroflow's writer quotes a string that reads as an exponent float (a node named `1e3`)."""
+    data = {"node": "1e3", "other": "2E-5", "lr": 3e-4, "tiny": 1e-300, "name": "gpu-0"}
+    path = tmp_path / "out.yaml"
+    path.write_text(dump_yaml(data, sort_keys=False))
+    assert read_yaml(path) == data
