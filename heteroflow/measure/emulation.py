@@ -9,12 +9,20 @@ Measured as a training step meets it:
   other processes block on their partners too, as training ranks do, so the wait is what a training step
   meets (filler processes that compute without pause would make it far longer). The bandwidth stays the idle
   link's (`link.allreduce_gb_per_s`): the wait is per transfer, not per byte;
-- `oversubscribed_slowdown`: the CPU time of a fixed amount of one-thread forward and backward work done by 2
-  (and 4, unless quick) processes per core at once, over the same work's CPU time alone: context switches and
-  caches shared between more processes than cores (CPU time, so other jobs' load on a shared machine, which
-  only delays the work, does not count; processor sharing prices the delay);
+- `oversubscribed_slowdown`: the CPU time of one-thread forward and backward work units done by the pairs of
+  the point-to-point phase below at 2 (and 4, unless quick) processes per core, over the same unit's CPU time
+  alone: context switches and caches shared between more processes than cores, as often as training ranks
+  switch, every transfer a wake-up (work that runs without pause switches far less: about 1.06 against 1.1 at
+  2 per core on the development machine). CPU time, so other jobs' load on a shared machine, which only
+  delays the work, does not count; processor sharing prices the delay;
 - `thread_speedup`: how much faster one process runs heteroflow's real block with all the host's cores as
   torch threads than with one (`measure.thread.measure_thread_speedup`): what a rank with several threads gets;
+- `transfer_cpu_s`: the same pairs, at the same processes per core, alternating bursts of work with a
+  point-to-point exchange of the buffer (each rank sends it and receives it, as neighbouring pipeline stages do
+  with activations and their gradients): the process's CPU time outside the work (gloo's threads and system
+  calls, the wake-ups), per transfer end (a send or a receive). Between processes sharing cores this is core
+  time the other ranks cannot compute in (about 1 ms per end at 2 processes per core on the development
+  machine, 0.4 ms at 1), which the waits' wall time does not say;
 - `tp_block_overhead_s`: the first pair runs heteroflow's decoder blocks at a negligible width as a stage
   runs them (`measure.thread`: the runtime's meter and gradient hooks), parallelized at tp 2 over the pair by
   `models.parallelize.parallelize_stage` and at tp 1, alternately, timed by the runtime's `PartTimer` with its
@@ -53,27 +61,32 @@ def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0,
     """The `emulation` figures of this host (see the module docstring); `allreduce_gb_per_s`: the idle link's
     all-reduce bandwidth (`LinkProfile`), whose share of the busy all-reduces is not latency."""
     cores = os.cpu_count() or 1
-    per_core = (1, 2) if quick else (1, 2, 4)  # processes per core of the CPU-time phases (1: alone)
+    per_core = (1, 2) if quick else (1, 2, 4)  # processes per core of the busy phases
     # first, while no child process is starting or exiting: a second thread's gain is the first thing load hides
     speedup = ((float(cores), measure_thread_speedup(cores, rounds=2 if quick else 5)),) if cores > 1 else ()
     results = _run_children(max(max(per_core) * cores, 2), _child,
                             (per_core, cores, 8 if quick else 30, 10 if quick else 40, 3 if quick else TP_ROUNDS),
                             timeout_s)
-    alone = results[0][1][0]
-    slowdown = tuple((float(k), max(1.0, statistics.median(r[1][i] for r in results[:k * cores]) / alone))
+    alone = results[0][1]  # CPU seconds of one work unit
+    slowdown = tuple((float(k), max(1.0, statistics.median(r[3][i][1] for r in results[:k * cores]) / alone))
                      for i, k in enumerate(per_core) if k > 1)
     # One ring step of a two-rank all-reduce is half its time less the bytes, at least a quarter of its time (an idle
     # link bandwidth measured on a shared machine can be too low to subtract whole); the curve never falls with more
     # processes.
     moving = BUSY_MESSAGE_BYTES / (allreduce_gb_per_s * 1e9) if allreduce_gb_per_s > 0 else 0.0
-    latency, busy = 0.0, []
+    latency, busy, transfer_cpu = 0.0, [], []
     for i, k in enumerate(per_core):
         waited = statistics.median(r[0][i] for r in results[:max(2, k * cores)])
         latency = max(latency, max(waited - moving, waited / 2) / 2)
         busy.append((float(k), latency))
+        # positive for the profile's format; the curve never falls with more processes (a quieter period can
+        # make a higher level measure less)
+        spent = max(1e-7, statistics.median(r[3][i][0] for r in results[:max(2, k * cores)]))
+        transfer_cpu.append((float(k), max([spent] + [v for _, v in transfer_cpu])))
     tp_overhead = tuple(max(0.0, v) for v in results[0][2])  # a difference of two timings can come out below 0
     return EmulationProfile(busy_latency_s=tuple(busy), oversubscribed_slowdown=slowdown,
-                            thread_speedup=speedup, tp_block_overhead_s=tp_overhead)
+                            thread_speedup=speedup, tp_block_overhead_s=tp_overhead,
+                            transfer_cpu_s=tuple(transfer_cpu))
 
 
 def _run_children(n: int, target, args: tuple, timeout_s: float) -> list:
@@ -177,10 +190,11 @@ def _tp_block_overhead(torch, pair, tp_rounds: int) -> tuple[float, float]:
 def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ...], cores: int, rounds: int,
            calls: int, tp_rounds: int) -> None:
     """For each k of `per_core`: ranks 0 .. k x cores - 1 (at least 0 and 1), in pairs (0, 1), (2, 3), ..., time
-    all-reduces with their partner between bursts of work; then ranks 0 and 1 measure what tp adds to a block;
-    then rank 0 times `calls` work units alone in CPU time, and for each k above 1, ranks 0 .. k x cores - 1 do at
-    once. Ranks outside a phase wait on the barrier, using no core. Reports (median latency per phase, CPU
-    seconds per phase, the tp block overhead)."""
+    all-reduces with their partner between bursts of work, then exchange the buffer with it point to point
+    between bursts of work; then ranks 0 and 1 measure what tp adds to a block; then rank 0 times `calls` work
+    units alone in CPU time. Ranks outside a phase wait on the barrier, using no core. Reports (median latency
+    per phase, CPU seconds of one work unit alone, the tp block overhead, per phase the medians of (CPU seconds
+    per transfer end, CPU seconds per work unit) of the point-to-point exchanges)."""
     try:
         import torch
         import torch.distributed as dist
@@ -202,6 +216,24 @@ def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ..
                 times.append(time.perf_counter() - start)
             return statistics.median(times)
 
+        def busy_exchange() -> tuple[float, float]:
+            """(process CPU seconds outside the work per transfer end, CPU seconds per work unit), over `rounds`
+            work-then-exchange rounds."""
+            worked, partner = 0.0, rank ^ 1
+            start = time.process_time()
+            for _ in range(rounds):
+                for _ in range(2):
+                    began = time.thread_time()
+                    _work(torch, shapes)
+                    worked += time.thread_time() - began
+                if rank % 2 == 0:  # the even rank sends first, so that the two never both wait to receive
+                    dist.send(message, partner)
+                    dist.recv(message, partner)
+                else:
+                    dist.recv(message, partner)
+                    dist.send(message, partner)
+            return (time.process_time() - start - worked) / (2 * rounds), worked / (2 * rounds)
+
         def cpu_seconds() -> float:
             start = time.thread_time()
             for _ in range(calls):
@@ -209,21 +241,24 @@ def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ..
             return time.thread_time() - start
 
         latencies = {k: [] for k in per_core}
+        exchanges = {k: [] for k in per_core}
         for _ in range(LATENCY_REPEATS):  # the levels interleaved, so that a disturbed period falls on one repeat
             for k in per_core:
                 barrier.wait()
                 if rank < max(2, k * cores) and pair is not None:
                     latencies[k].append(busy_all_reduce())
+                barrier.wait()
+                if rank < max(2, k * cores) and pair is not None:
+                    exchanges[k].append(busy_exchange())
         latencies = [statistics.median(v) if v else 0.0 for v in latencies.values()]
+        exchanges = [(statistics.median(e for e, _ in v), statistics.median(w for _, w in v)) if v else (0.0, 0.0)
+                     for v in exchanges.values()]
         barrier.wait()
         tp_overhead = _tp_block_overhead(torch, pairs[0], tp_rounds) if rank < 2 else (0.0, 0.0)
         barrier.wait()
-        seconds = [cpu_seconds() if rank == 0 else 0.0]
+        alone = cpu_seconds() / calls if rank == 0 else 0.0
         barrier.wait()
-        for k in per_core[1:]:
-            seconds.append(cpu_seconds() if rank < k * cores else 0.0)
-            barrier.wait()
         dist.destroy_process_group()
-        queue.put((rank, (tuple(latencies), tuple(seconds), tp_overhead)))
+        queue.put((rank, (tuple(latencies), alone, tp_overhead, tuple(exchanges))))
     except Exception as exc:  # the parent reports it
         queue.put((rank, f"{type(exc).__name__}: {exc}"))

@@ -11,7 +11,9 @@ rates, split evenly between the cores. The ranks then share the cores: the pipel
 closed form. With a profile each rank gets 1/num_ranks of the host memory; every link is the measured local
 link, and each collective's ring step and each stage boundary transfer waits what the profile's `emulation`
 section measured between busy processes at the step's mean computing processes per core (`estimate.evaluate_plan`
-prices an emulated plan again at the load its own timeline shows), not the idle link's latency.
+prices an emulated plan again at the load its own timeline shows), not the idle link's latency. Each end of a
+stage boundary transfer also takes core time (`boundary_cpu_s`: gloo's threads, system calls and wake-ups,
+measured at the plan's processes per core), priced as computing in the stage's forward and backward.
 """
 
 from __future__ import annotations
@@ -62,10 +64,22 @@ def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: flo
     link = local.get("fp32") or emulated_device("fp32", profile=profile, num_ranks=num_ranks, cores=cores,
                                                 busy_per_core=busy_per_core)
     measured = profile.emulation if profile is not None else None
+    transfer_cpu = (per_core_value(measured.transfer_cpu_s, max(1, num_ranks) * threads / max(1, cores))
+                    if measured is not None and measured.transfer_cpu_s else 0.0)
     return Hardware(models=models, inter_node_gb_per_s=link.intra_node_gb_per_s,
                     inter_latency_s=link.intra_latency_s, emulate=True, cores=max(1, cores),
                     threads_per_rank=threads,
-                    oversubscribed_slowdown=measured.oversubscribed_slowdown if measured is not None else ())
+                    oversubscribed_slowdown=measured.oversubscribed_slowdown if measured is not None else (),
+                    transfer_cpu_s=transfer_cpu)
+
+
+def boundary_cpu_s(transfer_cpu_s: float, stage: int, num_stages: int) -> float:
+    """Core seconds each forward (and each backward) of emulated stage `stage` spends in its boundary transfers:
+    a receive from the stage before and a send to the one after (the other way round backward), each end
+    `transfer_cpu_s` (`Hardware.transfer_cpu_s`; 0 unless emulated). The waits' wall time is priced apart; this is the part of them that occupies a
+    core the ranks share (`pipeline.run_shared` shares it like computing)."""
+    ends = (stage > 0) + (stage < num_stages - 1)
+    return ends * transfer_cpu_s
 
 
 def _calibrated(models: dict[str, DeviceModel], name: str,

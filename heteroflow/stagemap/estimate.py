@@ -17,7 +17,7 @@ from heteroflow.stagemap.comm import boundary_s, tied_sync_s
 from heteroflow.stagemap.compute import model_flops_per_sample
 from heteroflow.stagemap.costs import StageCosts, StageHardware, stage_costs
 from heteroflow.layout import ParallelLayout
-from heteroflow.stagemap.emulation import build_hardware
+from heteroflow.stagemap.emulation import boundary_cpu_s, build_hardware
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.memory import GIB, dtype_bytes
 from heteroflow.stagemap.breakdown import StageTimes, step_breakdown
@@ -212,7 +212,7 @@ def _priced(job: JobConfig, plan: PlanSpec, profile: Profile | None, emulate: bo
             if job.model.tie_embeddings and len(hws) > 1 else 0.0)
     estimate = assemble(job, plan, hws, costs, recv, emulate=emulate, cores=hardware.cores,
                         threads_per_rank=hardware.threads_per_rank, oversubscribed=hardware.oversubscribed_slowdown,
-                        tied_s=tied)
+                        tied_s=tied, transfer_cpu_s=hardware.transfer_cpu_s)
     return estimate, hardware
 
 
@@ -231,11 +231,13 @@ def boundary_times(job: JobConfig, hardware: Hardware, placed: list[tuple[StageH
 
 def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: list[StageCosts],
              recv: list[float], *, emulate: bool = False, cores: int = 1, threads_per_rank: int = 1,
-             oversubscribed: tuple[tuple[float, float], ...] = (), tied_s: float = 0.0) -> PlanEstimate:
+             oversubscribed: tuple[tuple[float, float], ...] = (), tied_s: float = 0.0,
+             transfer_cpu_s: float = 0.0) -> PlanEstimate:
     """Combine per-stage costs into pipeline, step and memory figures. Emulated, the stages' threads
     (`threads_per_rank` per device) share `cores` cores, slowed by the host's measured `oversubscribed`
     slowdown (`pipeline.sharing_speed`). `tied_s`: the sum of an embedding's gradient tied across the first and
-    last stage (`comm.tied_sync_s`), part of both stages' dp reduction (the runtime times it there)."""
+    last stage (`comm.tied_sync_s`), part of both stages' dp reduction (the runtime times it there).
+    `transfer_cpu_s`: emulated, the core seconds of one end of a boundary transfer (`emulation.boundary_cpu_s`)."""
     p, m = len(plan.stages), plan.num_micro_batches(job.train)
     stages, problems, parts, recv_fwd, recv_bwd = [], [], [], [], []
     for k, ((first_layer, last_layer), stage, hw, c) in enumerate(zip(plan.layer_ranges(), plan.stages, hws, costs)):
@@ -243,15 +245,17 @@ def assemble(job: JobConfig, plan: PlanSpec, hws: list[StageHardware], costs: li
         recv_fwd.append(recv[k - 1] if k > 0 else 0.0)
         recv_bwd.append(recv[k] if k < p - 1 else 0.0)
         tied = tied_s if first or last else 0.0
+        ends = boundary_cpu_s(transfer_cpu_s, k, p)  # emulated: the transfers' core time, shared like computing
         own = c.parts(layers, first, last)
-        parts.append(replace(own, dp_s=own.dp_s + tied))
+        parts.append(replace(own, forward_s=own.forward_s + ends, backward_s=own.backward_s + ends,
+                             dp_s=own.dp_s + tied))
         f = in_flight(plan.schedule, p, k, m)
         peak = c.memory_bytes(layers, f, first, last) / GIB
         est = StageEstimate(index=k, devices=stage.devices, device_type=stage.device_type,
                             num_devices=stage.num_devices, layers=(first_layer, last_layer), layout=stage.layout,
                             precision=hw.precision,
-                            forward_s=c.forward_s(layers, first, last) + recv_fwd[-1],
-                            backward_s=c.backward_s(layers, first, last) + recv_bwd[-1],
+                            forward_s=c.forward_s(layers, first, last) + ends + recv_fwd[-1],
+                            backward_s=c.backward_s(layers, first, last) + ends + recv_bwd[-1],
                             recv_forward_s=recv_fwd[-1], recv_backward_s=recv_bwd[-1],
                             tail_s=c.tail_s(layers, first, last) + tied, in_flight=f, memory_peak_gib=peak,
                             memory_capacity_gib=hw.device.memory_gib,

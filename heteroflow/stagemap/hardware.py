@@ -157,6 +157,9 @@ class Hardware:
     oversubscribed_slowdown: tuple[tuple[float, float], ...] = ()
     """Emulation: the host's measured (threads per core, slowdown) beyond processor sharing (a profile's
     `emulation` section; empty: none)."""
+    transfer_cpu_s: float = 0.0
+    """Emulation: core seconds one end (send or receive) of a stage boundary transfer takes, at this plan's
+    processes per core (the profile's `emulation.transfer_cpu_s`; 0: not measured)."""
 
     def device(self, device_type: str, precision: str) -> DeviceModel | None:
         """The model of `device_type` computing in `precision`; None when it cannot train in it."""

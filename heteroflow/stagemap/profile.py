@@ -42,6 +42,7 @@ profile:
     oversubscribed_slowdown: [[2, 1.1], [4, 1.2]]   # [processes per core, CPU time per unit of work / alone]
     thread_speedup: [[2, 1.2]]         # [torch threads, the real block's speed over one thread's] (optional)
     tp_block_overhead_s: [3.0e-04, 3.0e-04]   # [forward, backward] host seconds tp 2 adds to a block (optional)
+    transfer_cpu_s: [[1, 4.0e-04], [2, 1.0e-03], [4, 1.0e-03]]   # [processes per core, CPU s per transfer end] (optional)
 ```
 """
 
@@ -167,9 +168,9 @@ class EmulationProfile:
     plan's mean computing threads per core (`estimate.computing_per_core`); these waits take no core
     (`pipeline.run_shared`)."""
     oversubscribed_slowdown: tuple[tuple[float, float], ...] = ()
-    """(processes per core, slowdown): how much more CPU time a fixed amount of one-thread work takes in each of
-    that many processes per core than alone (context switches, caches shared), ascending
-    (`pipeline.sharing_speed` reads it)."""
+    """(processes per core, slowdown): how much more CPU time a unit of one-thread work takes in each of that many
+    processes per core, alternating work with point-to-point exchanges as pipeline stages do, than alone (context
+    switches at every wake-up, caches shared), ascending (`pipeline.sharing_speed` reads it)."""
     thread_speedup: tuple[tuple[float, float], ...] = ()
     """(torch threads, speedup): how much faster one process runs heteroflow's real block (the profile's reference
     block, forward and backward) with that many threads than with one, in wall time on the host to itself (the
@@ -180,6 +181,12 @@ class EmulationProfile:
     outside its collectives (the tp functions around them, the sharded projections' extra work), measured on
     two ranks at tp 2 without sp with the runtime's timer, minus the same ranks' block at tp 1; priced for every
     tp above 1, with or without sp. Empty: not measured (0)."""
+    transfer_cpu_s: tuple[tuple[float, float], ...] = ()
+    """(processes per core, seconds): the CPU time one end (a send or a receive) of a point-to-point transfer of
+    an activation-sized buffer takes outside the work, in pairs of one-thread processes that alternate work with
+    such exchanges while the host runs that many processes per core (`measure.emulation`): gloo's threads,
+    system calls and wake-ups. Emulated, each stage boundary's send and receive take it from the cores the ranks
+    share, read at the plan's processes per core (`stagemap.emulation.boundary_cpu_s`). Empty: not measured (0)."""
 
 
 
@@ -240,6 +247,8 @@ class Profile:
                 out["emulation"]["thread_speedup"] = [[_r(t), _r(v)] for t, v in e.thread_speedup]
             if e.tp_block_overhead_s:
                 out["emulation"]["tp_block_overhead_s"] = [_r(v) for v in e.tp_block_overhead_s]
+            if e.transfer_cpu_s:
+                out["emulation"]["transfer_cpu_s"] = [[_r(r), _r(v)] for r, v in e.transfer_cpu_s]
         if self.cpu_thread is not None:
             t = self.cpu_thread
             out["cpu_thread"] = {
@@ -358,7 +367,8 @@ def _emulation(sec: Section) -> EmulationProfile | None:
     out = EmulationProfile(busy_latency_s=_per_core_points(es, "busy_latency_s", minimum=1.0),
                            oversubscribed_slowdown=_per_core_points(es, "oversubscribed_slowdown", minimum=1.0 + 1e-9),
                            thread_speedup=_per_core_points(es, "thread_speedup", minimum=2.0, what="torch threads"),
-                           tp_block_overhead_s=_forward_backward(es, "tp_block_overhead_s"))
+                           tp_block_overhead_s=_forward_backward(es, "tp_block_overhead_s"),
+                           transfer_cpu_s=_per_core_points(es, "transfer_cpu_s", minimum=1.0))
     es.finish()
     return out
 

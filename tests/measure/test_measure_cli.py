@@ -40,6 +40,10 @@ def test_quick_profile_writes_a_profile_a_job_can_use(tmp_path):
     assert [r for r, _ in busy.oversubscribed_slowdown] == [2.0] and busy.oversubscribed_slowdown[0][1] >= 1.0
     # what tp 2 adds to a block outside its collectives, as the runtime's timer separates them
     assert len(busy.tp_block_overhead_s) == 2 and all(0 <= v < 0.1 for v in busy.tp_block_overhead_s)
+    # the core time of a transfer's send or receive between busy processes, never less with more of them
+    spent = [v for _, v in busy.transfer_cpu_s]
+    assert [r for r, _ in busy.transfer_cpu_s] == [1.0, 2.0] and all(0 < v < 0.1 for v in spent)
+    assert spent == sorted(spent)
     # a job naming the profile is priced with it
     job = tmp_path / "job.yaml"
     job.write_text(EMULATED.read_text().replace("cluster: ../clusters/cpu-emulation.yaml",

@@ -13,7 +13,7 @@ from heteroflow.errors import ConfigError
 from heteroflow.stagemap import evaluate_plan, load_profile, save_profile
 from heteroflow.stagemap.calibration import DeviceFactors, apply_factors
 from heteroflow.stagemap.compute import layer_forward
-from heteroflow.stagemap.emulation import emulated_device
+from heteroflow.stagemap.emulation import boundary_cpu_s, emulated_device
 from heteroflow.stagemap.pipeline import run_shared, sharing_speed
 from heteroflow.stagemap.estimate import computing_per_core
 from heteroflow.stagemap.profile import (DeviceProfile, EmulationProfile, HostProfile, LinkProfile, Profile,
@@ -167,3 +167,39 @@ def test_a_tp_block_pays_the_measured_tp_overhead_and_the_calibration_scales_it(
     assert host(plain, 2) == (4e-4, 6e-4)  # not measured: nothing added
     slow = apply_factors(with_tp, DeviceFactors(overhead=2.0))
     assert host(slow, 2) == pytest.approx((2 * (4e-4 + 3e-4), 2 * (6e-4 + 2e-4)))
+
+
+def test_the_transfer_cpu_round_trips_and_is_checked(tmp_path):
+    measured = replace(BUSY, transfer_cpu_s=((1.0, 4e-4), (2.0, 1e-3)))
+    error = _round_trip_then_corrupt(tmp_path, measured, "- [2.0, 0.001]", "- [2.0, -0.001]")
+    assert "profile.emulation.transfer_cpu_s: expected a list of [processes per core (at least 1)" in error
+
+
+def test_each_end_of_a_boundary_transfer_takes_the_measured_core_time():
+    """Four one-thread stages on two cores (2 processes a core): a middle stage's forward and backward each
+    receive once and send once, the end stages one of the two; that core time is shared like computing, so the
+    step grows by more than the busiest stage's own share would add on cores of its own."""
+    assert [boundary_cpu_s(1e-3, k, 4) for k in range(4)] == [1e-3, 2e-3, 2e-3, 1e-3]
+    assert boundary_cpu_s(1e-3, 0, 1) == 0.0  # one stage: no boundary
+    job = parse_job({"cluster": {"nodes": [{"name": "n", "device": "cpu", "count": 4}]},
+                     "model": {"preset": "tiny-llama"}, "train": {"global_batch_size": 16, "precision": "fp32"},
+                     "plan": {"micro_batch_size": 2, "stages": [{"devices": [f"n:{i}"], "layers": 2}
+                                                                for i in range(4)]}})
+    plain = replace(BUSY, oversubscribed_slowdown=())
+    spending = replace(plain, transfer_cpu_s=((1.0, 1e-4), (2.0, 2e-3), (4.0, 3e-3)))
+    before = evaluate_plan(job, job.plan, profile=_profile(plain), emulate=True)
+    after = evaluate_plan(job, job.plan, profile=_profile(spending), emulate=True)
+    m = 8  # micro-batches
+    for k, (a, b) in enumerate(zip(before.stages, after.stages)):
+        ends = 1 if k in (0, 3) else 2  # read at the plan's 4 ranks / 2 cores = 2 processes a core
+        assert b.forward_s - a.forward_s == pytest.approx(ends * 2e-3)
+        assert b.backward_s - a.backward_s == pytest.approx(ends * 2e-3)
+    added = sum(2 * m * boundary_cpu_s(2e-3, k, 4) for k in range(4))  # core seconds the step's transfers take
+    assert after.step_time_s - before.step_time_s >= 0.9 * added / 2  # on 2 cores, about half of it at least
+    two = parse_job({"cluster": {"nodes": [{"name": "n", "device": "cpu", "count": 2}]},
+                     "model": {"preset": "tiny-llama"}, "train": {"global_batch_size": 16, "precision": "fp32"},
+                     "plan": {"micro_batch_size": 2, "stages": [{"devices": ["n:0"], "layers": 4},
+                                                                {"devices": ["n:1"], "layers": 4}]}})
+    one_a_core = evaluate_plan(two, two.plan, profile=_profile(spending), emulate=True)
+    unmeasured = evaluate_plan(two, two.plan, profile=_profile(plain), emulate=True)
+    assert one_a_core.stages[0].forward_s - unmeasured.stages[0].forward_s == pytest.approx(1e-4)  # 1 a core
