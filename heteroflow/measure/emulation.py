@@ -12,17 +12,17 @@ Measured as a training step meets it:
 - `oversubscribed_slowdown`: the CPU time of one-thread forward and backward work units done by the pairs of
   the point-to-point phase below at 2 (and 4, unless quick) processes per core, over the same unit's CPU time
   alone: context switches and caches shared between more processes than cores, as often as training ranks
-  switch, every transfer a wake-up (work that runs without pause switches far less: about 1.06 against 1.1 at
-  2 per core on the development machine). CPU time, so other jobs' load on a shared machine, which only
-  delays the work, does not count; processor sharing prices the delay;
+  switch, every transfer a wake-up (1.0-1.09 at 2 per core over the development machine's profiles, where work
+  that runs without pause measured 1.0-1.12: this host's caches barely notice). CPU time, so other jobs' load
+  on a shared machine, which only delays the work, does not count; processor sharing prices the delay;
 - `thread_speedup`: how much faster one process runs heteroflow's real block with all the host's cores as
   torch threads than with one (`measure.thread.measure_thread_speedup`): what a rank with several threads gets;
 - `transfer_cpu_s`: the same pairs, at the same processes per core, alternating bursts of work with a
   point-to-point exchange of the buffer (each rank sends it and receives it, as neighbouring pipeline stages do
   with activations and their gradients): the process's CPU time outside the work (gloo's threads and system
   calls, the wake-ups), per transfer end (a send or a receive). Between processes sharing cores this is core
-  time the other ranks cannot compute in (about 1 ms per end at 2 processes per core on the development
-  machine, 0.4 ms at 1), which the waits' wall time does not say;
+  time the other ranks cannot compute in (0.5-1.1 ms per end at 2 processes per core over the development
+  machine's profiles, 0.2-0.4 ms at 1), which the waits' wall time does not say;
 - `tp_block_overhead_s`: the first pair runs heteroflow's decoder blocks at a negligible width as a stage
   runs them (`measure.thread`: the runtime's meter and gradient hooks), parallelized at tp 2 over the pair by
   `models.parallelize.parallelize_stage` and at tp 1, alternately, timed by the runtime's `PartTimer` with its
@@ -68,23 +68,23 @@ def measure_emulation(*, quick: bool = False, timeout_s: float = 180.0,
                             (per_core, cores, 8 if quick else 30, 10 if quick else 40, 3 if quick else TP_ROUNDS),
                             timeout_s)
     alone = results[0][1]  # CPU seconds of one work unit
-    slowdown = tuple((float(k), max(1.0, statistics.median(r[3][i][1] for r in results[:k * cores]) / alone))
-                     for i, k in enumerate(per_core) if k > 1)
     # One ring step of a two-rank all-reduce is half its time less the bytes, at least a quarter of its time (an idle
-    # link bandwidth measured on a shared machine can be too low to subtract whole); the curve never falls with more
-    # processes.
+    # link bandwidth measured on a shared machine can be too low to subtract whole); the latency and the transfer's
+    # CPU (kept positive for the profile's format) never fall with more processes (a quieter period can make a
+    # higher level measure less).
     moving = BUSY_MESSAGE_BYTES / (allreduce_gb_per_s * 1e9) if allreduce_gb_per_s > 0 else 0.0
-    latency, busy, transfer_cpu = 0.0, [], []
+    latency, spent, busy, transfer_cpu, slowdown = 0.0, 1e-7, [], [], []
     for i, k in enumerate(per_core):
-        waited = statistics.median(r[0][i] for r in results[:max(2, k * cores)])
+        phase = results[:max(2, k * cores)]  # the ranks that took part at k processes per core
+        waited = statistics.median(r[0][i] for r in phase)
         latency = max(latency, max(waited - moving, waited / 2) / 2)
         busy.append((float(k), latency))
-        # positive for the profile's format; the curve never falls with more processes (a quieter period can
-        # make a higher level measure less)
-        spent = max(1e-7, statistics.median(r[3][i][0] for r in results[:max(2, k * cores)]))
-        transfer_cpu.append((float(k), max([spent] + [v for _, v in transfer_cpu])))
+        spent = max(spent, statistics.median(r[3][i][0] for r in phase))
+        transfer_cpu.append((float(k), spent))
+        if k > 1:
+            slowdown.append((float(k), max(1.0, statistics.median(r[3][i][1] for r in phase) / alone)))
     tp_overhead = tuple(max(0.0, v) for v in results[0][2])  # a difference of two timings can come out below 0
-    return EmulationProfile(busy_latency_s=tuple(busy), oversubscribed_slowdown=slowdown,
+    return EmulationProfile(busy_latency_s=tuple(busy), oversubscribed_slowdown=tuple(slowdown),
                             thread_speedup=speedup, tp_block_overhead_s=tp_overhead,
                             transfer_cpu_s=tuple(transfer_cpu))
 
@@ -244,11 +244,12 @@ def _child(rank: int, n: int, port: int, queue, barrier, per_core: tuple[int, ..
         exchanges = {k: [] for k in per_core}
         for _ in range(LATENCY_REPEATS):  # the levels interleaved, so that a disturbed period falls on one repeat
             for k in per_core:
+                in_phase = rank < max(2, k * cores) and pair is not None
                 barrier.wait()
-                if rank < max(2, k * cores) and pair is not None:
+                if in_phase:
                     latencies[k].append(busy_all_reduce())
                 barrier.wait()
-                if rank < max(2, k * cores) and pair is not None:
+                if in_phase:
                     exchanges[k].append(busy_exchange())
         latencies = [statistics.median(v) if v else 0.0 for v in latencies.values()]
         exchanges = [(statistics.median(e for e, _ in v), statistics.median(w for _, w in v)) if v else (0.0, 0.0)

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable
 
-
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.yamlfile import dump_yaml, read_yaml
 from heteroflow.errors import did_you_mean

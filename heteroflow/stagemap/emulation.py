@@ -76,8 +76,8 @@ def build_hardware(device_types: dict[str, DeviceSpec], inter_node_gb_per_s: flo
 def boundary_cpu_s(transfer_cpu_s: float, stage: int, num_stages: int) -> float:
     """Core seconds each forward (and each backward) of emulated stage `stage` spends in its boundary transfers:
     a receive from the stage before and a send to the one after (the other way round backward), each end
-    `transfer_cpu_s` (`Hardware.transfer_cpu_s`; 0 unless emulated). The waits' wall time is priced apart; this is the part of them that occupies a
-    core the ranks share (`pipeline.run_shared` shares it like computing)."""
+    `transfer_cpu_s` (`Hardware.transfer_cpu_s`; 0 unless emulated). The waits' wall time is priced apart; this
+    is the part of them that occupies a core the ranks share (`pipeline.run_shared` shares it like computing)."""
     ends = (stage > 0) + (stage < num_stages - 1)
     return ends * transfer_cpu_s
 

@@ -42,7 +42,7 @@ profile:
     oversubscribed_slowdown: [[2, 1.1], [4, 1.2]]   # [processes per core, CPU time per unit of work / alone]
     thread_speedup: [[2, 1.2]]         # [torch threads, the real block's speed over one thread's] (optional)
     tp_block_overhead_s: [3.0e-04, 3.0e-04]   # [forward, backward] host seconds tp 2 adds to a block (optional)
-    transfer_cpu_s: [[1, 4.0e-04], [2, 1.0e-03], [4, 1.0e-03]]   # [processes per core, CPU s per transfer end] (optional)
+    transfer_cpu_s: [[1, 4.0e-04], [2, 1.0e-03], [4, 1.0e-03]]   # [processes per core, CPU s a transfer end] (optional)
 ```
 """
 
