@@ -16,9 +16,10 @@ but the vendor labels still pick direct or bridge, so CPU tests run the same cod
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,13 @@ class ProcessGroups:
     """Link to the next stage (None on the last stage)."""
     created: tuple[tuple[str, tuple[int, ...], str], ...]
     """Every group created, `(name, ranks, backend)` in creation order (the same on all ranks)."""
+    backend_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """What a backend is registered as in this process when not under its own name (tests' strict CPU stand-ins,
+    `heteroflow.testing.strict`); groups created later (the tied embedding's) use it too."""
+
+    def registered(self, backend: str) -> str:
+        """The name to pass `dist.new_group` for `backend` in this process."""
+        return self.backend_names.get(backend, backend)
 
     @property
     def stage_index(self) -> int:
@@ -112,11 +120,13 @@ def init_world(rank_map: RankMap, *, rank: int | None = None, timeout_s: float =
 
 
 def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chunk_bytes: int = 4 << 20,
-                         stage_host_tensors: bool = False, timeout_s: float | None = None) -> ProcessGroups:
+                         stage_host_tensors: bool = False, timeout_s: float | None = None,
+                         backend_names: Mapping[str, str] | None = None) -> ProcessGroups:
     """Create every group of the plan (collective: all ranks call it) and return this rank's.
 
     `emulate`: every group on gloo (CPU processes standing in for devices). `stage_host_tensors`: make
-    bridges copy CPU tensors through their staging buffers anyway (tests, benchmarks).
+    bridges copy CPU tensors through their staging buffers anyway (tests, benchmarks). `backend_names`: what a
+    backend is registered as here when not under its own name (`heteroflow.testing.strict`'s CPU stand-ins).
     Outside emulation, set each rank's device (`torch.cuda.set_device(info.local_device)`) first.
     """
     if not dist.is_initialized():
@@ -127,11 +137,13 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     created: list[tuple[str, tuple[int, ...], str]] = []
     mine: dict[str, dist.ProcessGroup] = {}
+    names = dict(backend_names or {})
 
     def new_group(name: str, ranks: Sequence[int], backend: str) -> dist.ProcessGroup | None:
         # Every rank calls new_group for every group, in this one order; members keep theirs.
+        # A rank outside `ranks` may lack their backend (a CUDA rank has no hccl): torch only needs the call.
         created.append((name, tuple(ranks), backend))
-        group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+        group = dist.new_group(list(ranks), backend=names.get(backend, backend), timeout=timeout)
         return group if rank in ranks else None
 
     me = rank_map.info(rank)
@@ -168,8 +180,11 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
         ranks = src.ranks + dst.ranks
         group = new_group(f"boundary{k}.{kind}", ranks, backend)
         if group is not None:
+            # Outside emulation an accelerator rank's boundary tensors are device tensors: its bridge stages them
+            # (also where a test's CPU stand-in holds them in host memory).
+            staging = stage_host_tensors or (not emulate and me.vendor != "cpu")
             transport = (DirectTransport(group) if kind == DIRECT else
-                         HostBridge(group, chunk_bytes=bridge_chunk_bytes, stage_host_tensors=stage_host_tensors))
+                         HostBridge(group, chunk_bytes=bridge_chunk_bytes, stage_host_tensors=staging))
             links[k] = BoundaryLink(src_stage=k, kind=kind, backend=backend, ranks=ranks, group=group,
                                     transport=transport)
     # NCCL and HCCL require the first point-to-point call on a group to involve all of its ranks, which
@@ -182,7 +197,7 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
                          world=dist.group.WORLD, stage=mine["stage"], tp=mine["tp"], cp=mine["cp"], dp=mine["dp"],
                          replicas=mine["replicas"], fanout=mine.get("fanout"), ep=mine.get("ep"), etp=mine.get("etp"),
                          expert_dp=mine["expert_dp"], prev=links.get(me.stage - 1),
-                         next=links.get(me.stage), created=tuple(created))
+                         next=links.get(me.stage), created=tuple(created), backend_names=names)
 
 
 def _barrier_device(backend: str, local_device: int) -> dict:

@@ -3,7 +3,8 @@
 - `DirectTransport`: both stages on one vendor; batched isend/irecv on a group of that vendor's
   backend (NCCL, HCCL) spanning both stages, device memory to device memory.
 - `HostBridge`: different vendors (or a CPU stage); every message is staged through host memory and
-  sent over gloo, which every build of torch has. Messages are cut into chunks: the device-to-host
+  sent over gloo, which every build of torch has. Messages are cut into chunks (also those sent or
+  received in place, so a staging side and a side that does not stage agree): the device-to-host
   copy of chunk i+1 runs while gloo sends chunk i, and on the receiver the host-to-device copy of
   chunk i runs while chunk i+1 arrives. Host buffers (pinned for accelerators) come from a pool of
   banks reused across calls; consecutive calls alternate banks (double buffering) so a new remap can
@@ -93,7 +94,7 @@ class _BridgeWork:
 
     sends: list = field(default_factory=list)
     recvs: list = field(default_factory=list)
-    """`(work, host chunk, device chunk or None when received in place)`, in arrival order."""
+    """`(work, host chunk or None, device chunk or None)` in arrival order (None, None: received in place)."""
     devices: set = field(default_factory=set)
     done: bool = False
 
@@ -162,20 +163,24 @@ class HostBridge:
             bank = self._bank(sum(_nbytes(m.tensor) for m in staged), pin=bool(devices))
             bank.work = work
         offset = 0
+        # Every message crosses in `chunk_bytes` pieces, staged or not: the two sides decide on staging each for
+        # itself (an accelerator stage stages, a CPU stage need not), so the piece layout must not depend on it.
         for m in recvs:  # post receives first so the peers' sends find them
-            if not self._staged(m.tensor):
-                work.recvs.append((dist.irecv(m.tensor, m.peer, group=self.group, tag=m.tag), m.tensor, None))
-                continue
             target = m.tensor.reshape(-1).view(torch.uint8)
+            in_place = not self._staged(m.tensor)
             for a, b in self._chunks(target.numel()):
+                if in_place:
+                    work.recvs.append((dist.irecv(target[a:b], m.peer, group=self.group, tag=m.tag), None, None))
+                    continue
                 host = bank.data[offset + a:offset + b]
                 work.recvs.append((dist.irecv(host, m.peer, group=self.group, tag=m.tag), host, target[a:b]))
-            offset += target.numel()
+            offset += 0 if in_place else target.numel()
         for m in sends:
-            if not self._staged(m.tensor):
-                work.sends.append(dist.isend(m.tensor, m.peer, group=self.group, tag=m.tag))
-                continue
             source = m.tensor.reshape(-1).view(torch.uint8)
+            if not self._staged(m.tensor):
+                work.sends += [dist.isend(source[a:b], m.peer, group=self.group, tag=m.tag)
+                               for a, b in self._chunks(source.numel())]
+                continue
             for a, b in self._chunks(source.numel()):
                 host = bank.data[offset + a:offset + b]
                 host.copy_(source[a:b], non_blocking=True)

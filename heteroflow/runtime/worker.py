@@ -80,6 +80,7 @@ def _run_worker(args: WorkerArgs) -> WorkerResult:
     from heteroflow.backends import RankMap, build_process_groups, init_world
     from heteroflow.devices.facade import Device
     from heteroflow.runtime.stage import build_stage_runtime
+    from heteroflow.testing.strict import standins_requested
 
     job, plan, train = args.job, args.plan, args.job.train
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -90,10 +91,13 @@ def _run_worker(args: WorkerArgs) -> WorkerResult:
     join_node_world(rank_map, timeout_s=collective_timeout_s(args.timeout_s))  # multi-node: under the plan's rank
     rank = init_world(rank_map, timeout_s=collective_timeout_s(args.timeout_s))
     info = rank_map.info(rank)
-    device = Device.for_vendor(info.vendor, info.local_device, emulate=args.emulate)
+    # Tests only: HETEROFLOW_STRICT_BACKENDS=1 runs this real path on CPU with vendor-faithful stand-in backends.
+    standins = None if args.emulate else standins_requested(rank_map.stages[info.stage].backend)
+    device = Device.for_vendor(info.vendor, info.local_device, emulate=args.emulate or standins is not None)
     device.set_current()
     device.manual_seed(train.seed)
-    groups = build_process_groups(rank_map, emulate=args.emulate, timeout_s=collective_timeout_s(args.timeout_s))
+    groups = build_process_groups(rank_map, emulate=args.emulate, timeout_s=collective_timeout_s(args.timeout_s),
+                                  backend_names=standins.backend_names if standins is not None else None)
     if not args.resume and restarted_anywhere(groups.world):  # an elastic restart goes on from the last checkpoint
         args = replace(args, resume=True)
     init_from = job.resolve_path(train.init_from) if train.init_from else None
