@@ -73,6 +73,11 @@ class StageBoundary:
         self._expect(True, "recv_grad")
         return self._backward.start(out=out)
 
+    def together(self):
+        """`with boundary.together():` the sends and receives started inside go out as one batch (one NCCL group
+        call on a direct link; nothing changes on a gloo bridge)."""
+        return self.link.transport.together()
+
     def _expect(self, sender: bool, what: str) -> None:
         if sender != self.is_sender:
             side = f"stage {self.src_stage}" if sender else f"stage {self.src_stage + 1}"

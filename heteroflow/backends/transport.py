@@ -16,8 +16,9 @@ Tensors already in host memory (CPU tensors, as in emulation) are sent as they a
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,16 +66,40 @@ class DirectTransport:
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.stats = TransportStats()
+        self._batch: list | None = None
+        """P2P ops collected inside `together()`, with the `_Works` each post returned."""
 
     def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> _Works:
-        """Batched isend/irecv (one NCCL group call on CUDA) for every message."""
+        """Batched isend/irecv (one NCCL group call on CUDA) for every message; inside `together()` the batch
+        is posted when the block ends."""
         ops = [dist.P2POp(dist.isend, m.tensor, m.peer, group=self.group, tag=m.tag) for m in sends]
         ops += [dist.P2POp(dist.irecv, m.tensor, m.peer, group=self.group, tag=m.tag) for m in recvs]
         self.stats.posts += 1
         self.stats.messages += len(ops)
         self.stats.bytes_sent += sum(_nbytes(m.tensor) for m in sends)
         self.stats.bytes_received += sum(_nbytes(m.tensor) for m in recvs)
+        if self._batch is not None:
+            works = _Works([])
+            self._batch.append((ops, works))
+            return works
         return _Works(dist.batch_isend_irecv(ops) if ops else [])
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Post every message of the posts inside the block as one batch (one NCCL group call), as Megatron's
+        `send_forward_recv_backward` does: on a communicator that runs its operations in posting order and
+        whose sends wait for their receives, a send posted alone ahead of a receive can wait on a peer that
+        waits on that receive. Each post's handle completes with the whole batch."""
+        assert self._batch is None, "together() does not nest"
+        self._batch = []
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            ops = [op for posted, _ in batch for op in posted]
+            works = dist.batch_isend_irecv(ops) if ops else []
+            for _, handle in batch:
+                handle.works = works
 
 
 @dataclass(slots=True)
@@ -190,6 +215,10 @@ class HostBridge:
             offset += source.numel()
         self._count(sends, recvs, staged)
         return work
+
+    def together(self) -> contextlib.AbstractContextManager:
+        """Nothing to batch: gloo runs every send and receive on its own (`DirectTransport.together`)."""
+        return contextlib.nullcontext()
 
     def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
         return [(a, min(a + self.chunk_bytes, nbytes)) for a in range(0, nbytes, self.chunk_bytes)]

@@ -19,6 +19,7 @@ On CPU, pass `out=` from a pool for large shares: a fresh tensor each call pays 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -61,6 +62,9 @@ class Transport(Protocol):
 
     def post(self, sends: Sequence[Message], recvs: Sequence[Message]) -> TransportWork:
         """Start every send and receive; returns at once."""
+
+    def together(self) -> contextlib.AbstractContextManager:
+        """Posts inside the block go out as one batch (one group call) when it ends."""
 
 
 class RemapHandle:

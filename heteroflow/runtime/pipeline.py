@@ -3,7 +3,11 @@
 Sends are asynchronous, with at most two in flight per direction (the boundary's buffer limit), waited
 for in the order they were started. A receive blocks when an action needs its data; over gloo it was
 posted as soon as the previous receive of its direction arrived, so the transfer overlaps the compute
-in between. Every rank of a stage runs the same actions in the same order, so the collectives inside
+in between. A send whose link the next action receives from goes out in one batch with that receive
+(`StageBoundary.together`, Megatron's `send_forward_recv_backward` / `send_backward_recv_forward`): NCCL and
+HCCL run a communicator's operations in posting order and a send waits for its receive, so stage k's
+activation send posted alone could wait on stage k+1, whose gradient send waits on the receive stage k has
+not posted yet. Both sides of a link post its messages in the same order, in the same batches. Every rank of a stage runs the same actions in the same order, so the collectives inside
 the stage line up.
 
 With a `PartTimer`, the step is timed by part: `forward` and `backward` around each action's compute (less
@@ -71,6 +75,11 @@ class _Recvs:
         self._left -= 1
         return self._post()
 
+    def post_next(self) -> None:
+        """Post the next receive now unless it is posted already (to go out in one batch with a send)."""
+        if self._next is None:
+            self._next = self._start()
+
     def take(self) -> torch.Tensor:
         """Wait for the next receive and return its tensor."""
         handle = self._next or self._start()
@@ -120,8 +129,9 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
     loss_sum = torch.zeros((), dtype=torch.float32)
     autocast = (torch.autocast(rt.device.torch_device.type, dtype=rt.autocast_dtype)
                 if rt.autocast_dtype is not None else contextlib.nullcontext())
-    for action in actions:
+    for i, action in enumerate(actions):
         m = action.micro_batch
+        then = actions[i + 1].kind if i + 1 < len(actions) else None
         if action.kind == FORWARD:
             if rt.is_first:
                 x = micro_batches[m].tokens.to(rt.device.torch_device)
@@ -142,8 +152,10 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             outputs[m] = out
             if not rt.is_last:
                 sent = out.detach().to(rt.activation_dtype)
-                with part(WAIT_PART):
+                with part(WAIT_PART), rt.next.together():
                     forward_sends.start(rt.next.send_activation, sent)
+                    if then is not None and then != FORWARD:  # the backward next needs this link's gradient
+                        grads.post_next()
         else:
             out = outputs.pop(m)
             if rt.is_last:
@@ -157,8 +169,10 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             x = inputs.pop(m)
             if not rt.is_first:
                 sent = x.grad.to(rt.activation_dtype)
-                with part(WAIT_PART):
+                with part(WAIT_PART), rt.prev.together():
                     backward_sends.start(rt.prev.send_grad, sent)
+                    if then == FORWARD:  # the forward next needs this link's activation
+                        activations.post_next()
     with part(WAIT_PART):
         forward_sends.drain()
         backward_sends.drain()

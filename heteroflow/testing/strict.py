@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -47,6 +48,8 @@ STANDINS = {"nccl": "strict_nccl", "hccl": "strict_hccl", "gloo": "strict_gloo"}
 """The name each backend's stand-in is registered under (torch reserves `nccl`; `hccl` is torch_npu's)."""
 
 _HOST = "_heteroflow_host"
+_ABORT_AFTER_S = 3.0
+"""After a deadlock is reported, the process ends this many seconds later unless it failed by itself."""
 
 
 # ---------------------------------------------------------------------------------------------------- host tags
@@ -147,6 +150,7 @@ class StrictGroup(dist.ProcessGroup):
         self._store = dist.PrefixStore("strict/", store)
         self._posted = 0
         self._name = ""
+        self._failed: str | None = None
         self._queue: queue.Queue[_Item] = queue.Queue()
         self._publish("idle (nothing posted yet)")
         if ordered:
@@ -259,6 +263,8 @@ class StrictGroup(dist.ProcessGroup):
 
     # --- the rules --------------------------------------------------------------------------------------------
     def _post(self, what: str, tensors: Iterable[torch.Tensor], start: Callable[[], list]):
+        if self._failed is not None:
+            raise StrictError(self._failed)
         self._check(what, tensors)
         self._posted += 1
         item = _Item(self._posted, what, start, torch.futures.Future())
@@ -283,21 +289,28 @@ class StrictGroup(dist.ProcessGroup):
 
     def _run(self) -> None:
         while True:
-            self._execute(self._queue.get())
+            item = self._queue.get()
+            if self._failed is not None:  # a broken communicator fails everything after (NCCL aborts it)
+                item.future.set_exception(StrictError(self._failed))
+                continue
+            self._execute(item)
 
     def _execute(self, item: _Item) -> None:
         label = f"#{item.number} {item.what}"
-        if self.ordered:
-            self._publish(f"waits in {label}")
+        self._publish(f"waits in {label}")
         try:
             works = item.start()
             for w in works:
                 w.wait(datetime.timedelta(seconds=self.timeout_s))
         except Exception as error:  # noqa: BLE001 (handed to the waiting caller)
-            item.future.set_exception(StrictError(self._deadlock_report(label, error)))
+            self._failed = self._deadlock_report(label, error)
+            item.future.set_exception(StrictError(self._failed))
+            # Like NCCL's watchdog: report, give the caller a moment to raise it, then end the process, which
+            # may be blocked elsewhere (on another group) and would otherwise hang until a harness times out.
+            print(f"heteroflow.testing.strict: {self._failed}", file=sys.stderr, flush=True)
+            threading.Timer(_ABORT_AFTER_S, os._exit, args=(1,)).start()
             return
-        if self.ordered:
-            self._publish(f"idle after #{item.number} {item.what}")
+        self._publish(f"idle after #{item.number} {item.what}")
         item.future.set_result(None)
 
     def _publish(self, state: str) -> None:
