@@ -4,8 +4,9 @@ An ep group's ranks hold different tokens and each holds `layout.shards.local_ex
 layer and micro-batch, `AllToAllDispatcher`:
   1. groups this rank's (token, slot) assignments by expert (`moe.sort_by_expert`: capacity drops happen here,
      at the source, on this rank's tokens), so the rows for each ep rank are one contiguous block;
-  2. exchanges the per-expert row counts (a small all-to-all of integers), then the rows themselves (one
-     all-to-all with variable split sizes; a rank's own block stays in place and is not sent);
+  2. exchanges the per-expert row counts (a small all-to-all of integers on the device), then the rows themselves
+     (one all-to-all with variable split sizes; a rank's own block stays in place and is not sent). The split
+     sizes must be on the host: the layer syncs twice (the counts of `sort_by_expert`, the received counts);
   3. runs each local expert on the rows it received from every rank, and sends the outputs back the same way;
   4. weights each returned row by its routing weight and adds it to its token.
 Autograd: the backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`), so gradients
@@ -100,24 +101,26 @@ class AllToAllDispatcher:
         assert experts.held() == list(local_experts(self.num_experts, ep, self.ep_rank)), "held experts vs ep rank"
         token, slot, counts = sort_by_expert(indices_TK, self.num_experts, experts.capacity(x_TH.shape[0]))
         rows = x_TH[token]
-        # counts_out[r, e]: rows for rank r's e-th local expert; counts_in[r, e]: rows from rank r for ours.
-        counts_out = torch.tensor(counts, dtype=torch.int64).view(ep, per_rank)
-        counts_in = self._exchange_counts(counts_out)
-        send, recv = counts_out.sum(1).tolist(), counts_in.sum(1).tolist()
-        self._count(len(token), send, recv, rows.shape[1] * rows.element_size())
+        # counts_out[r, e]: rows for rank r's e-th local expert; counts_in[r, e]: rows from rank r for ours. They
+        # cross on the device (NCCL and HCCL take no host tensors); the uneven all-to-alls need their split sizes
+        # on the host: `counts` already is (sort_by_expert's one sync), `counts_in` comes back in one copy.
+        send = [sum(counts[r * per_rank:(r + 1) * per_rank]) for r in range(ep)]
         if self.group is None:
+            self._count(len(token), send, send, rows.shape[1] * rows.element_size())
             y = experts.run(rows, counts)
         else:
+            counts_out = torch.tensor(counts, dtype=torch.int64, device=x_TH.device).view(ep, per_rank)
+            counts_in = self._exchange_counts(counts_out).cpu()
+            recv = counts_in.sum(1).tolist()
+            self._count(len(token), send, recv, rows.shape[1] * rows.element_size())
             received = all_to_all_rows(rows, self.group, send, recv)
             # Received rows come by source rank, then expert: regroup them by expert to run each expert once.
-            by_expert = _block_order(counts_in)
+            by_expert = _block_order(counts_in).to(x_TH.device)
             y_by_expert = experts.run(received[by_expert], counts_in.sum(0).tolist())
             y = all_to_all_rows(y_by_expert[torch.argsort(by_expert)], self.group, recv, send)
         return combine(x_TH, token, y * weights_TK[token, slot, None])
 
     def _exchange_counts(self, counts_out: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return counts_out.clone()
         counts_in = torch.empty_like(counts_out)
         with _timed(self.group):
             dist.all_to_all_single(counts_in, counts_out, group=self.group)
