@@ -62,16 +62,26 @@ def all_reduce_partial_grads(model: nn.Module, tp_group: ProcessGroup | None,
             g.copy_(part.view_as(g))
 
 
+def all_reduce_via_host(t: torch.Tensor, group: ProcessGroup) -> None:
+    """Sum device tensor `t` over gloo group `group` in place through a host copy (pinned where the device has
+    pinned memory): gloo takes no NPU tensors."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type != "cpu")
+    host.copy_(t)
+    dist.all_reduce(host, group=group)
+    t.copy_(host)
+
+
 @torch.no_grad()
 def sync_tied_grads(model: nn.Module, *, group: ProcessGroup, tp_rank: int, dp_rank: int,
-                    grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad) -> None:
+                    grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad, on_host: bool = False) -> None:
     """Sum the tied embedding's gradient (first stage) with the head copy's (last stage).
 
     Call on every rank of the first and the last stage, with `group` holding exactly those ranks,
     before `reduce_grads`; `grad_of(param)` is the writable tensor holding the parameter's accumulated
     gradient (the optimizer's `grad_of`). Afterwards dp rank 0 of each stage holds its slice of the total
     and the other dp ranks zeros, so the following dp sum leaves every rank of both stages with the total.
-    Each stage may use its own tp and dp: the exchange goes through the full logical tensor.
+    Each stage may use its own tp and dp: the exchange goes through the full logical tensor. `on_host`: `group`
+    is gloo on accelerator ranks, so the sum runs on a host copy (`all_reduce_via_host`).
     """
     for name in model.tied_parameter_names():
         param = model.get_parameter(name)
@@ -80,7 +90,7 @@ def sync_tied_grads(model: nn.Module, *, group: ProcessGroup, tp_rank: int, dp_r
         full = torch.zeros(shard.full_shape, dtype=torch.float32, device=param.device)
         if counted_once(split_over_tp=shard.dim is not None, tp_rank=tp_rank):
             shard.take(full).copy_(grad)
-        dist.all_reduce(full, group=group)
+        all_reduce_via_host(full, group) if on_host else dist.all_reduce(full, group=group)
         if dp_rank == 0:
             grad.copy_(shard.take(full))
         else:

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from heteroflow.layout.shards import counted_once
+from heteroflow.models.data_parallel import all_reduce_via_host
 from heteroflow.models.shard import ParamShard, set_shard, shard_of
 from heteroflow.optim.adamw import adamw_step
 
@@ -174,17 +175,18 @@ class Zero3AdamW:
         return torch.zeros_like(p.data) if grad is None else grad.to_local().view(-1)
 
     @torch.no_grad()
-    def sync_tied_grads(self, group: ProcessGroup) -> None:
+    def sync_tied_grads(self, group: ProcessGroup, *, on_host: bool = False) -> None:
         """`data_parallel.sync_tied_grads` for this stage: sum the tied embedding's gradient with the other end
         stage's through the full logical tensor. Here every rank's shard is already summed over dp, so each
-        rank adds its own box (each box once over the stage) and takes its box of the total back."""
+        rank adds its own box (each box once over the stage) and takes its box of the total back. `on_host`: through
+        a host copy (`group` is gloo on accelerator ranks)."""
         for name in self.model.tied_parameter_names():
             p = next(local for local in self.locals if local.name == name)
             full = torch.zeros(p.shard.full_shape, dtype=torch.float32, device=p.data.device)
             mine = p.shard.take(full).reshape(-1)[p.start:p.stop]  # tp-local box, then this rank's rows
             if counted_once(split_over_tp=p.shard.dim is not None, tp_rank=self.tp_rank):
                 mine.copy_(self._local_grad(p))
-            dist.all_reduce(full, group=group)
+            all_reduce_via_host(full, group) if on_host else dist.all_reduce(full, group=group)
             self._set_grad(p, p.shard.take(full).reshape(-1)[p.start:p.stop])
 
     def grad_of(self, param: nn.Parameter) -> torch.Tensor:

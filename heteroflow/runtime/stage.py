@@ -50,6 +50,8 @@ class StageRuntime:
     """Ranks of the first and last stage, when the embedding is tied across them."""
     meter: SavedActivationMeter
     """Counts the activations this rank's forward leaves on the device (the step record's `memory`)."""
+    tied_on_host: bool = False
+    """The tied embedding's sum crosses `tied_group` (gloo) through host copies of the device gradient."""
 
     @property
     def is_first(self) -> bool:
@@ -91,10 +93,11 @@ class StageRuntime:
         if self.tied_group is None:
             return
         if isinstance(self.optimizer, Zero3AdamW):
-            self.optimizer.sync_tied_grads(self.tied_group)
+            self.optimizer.sync_tied_grads(self.tied_group, on_host=self.tied_on_host)
         else:  # cp ranks hold partial sums too: the total lands on one rank of the stage's cp x dp replicas
             sync_tied_grads(self.model, group=self.tied_group, tp_rank=self.info.tp,
-                            dp_rank=self.info.dp * self.stage.layout.cp + self.info.cp, grad_of=self.optimizer.grad_of)
+                            dp_rank=self.info.dp * self.stage.layout.cp + self.info.cp, grad_of=self.optimizer.grad_of,
+                            on_host=self.tied_on_host)
 
     def sum_cp_grads(self) -> None:
         """Sum the weights' gradients over cp (each cp rank saw only its tokens), unless the optimizer does it (ZeRO-3)
@@ -191,10 +194,11 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
             nxt = StageBoundary(groups, k, shape=shape, dtype=dtypes[k], grad_dtype=dtypes[k + 1],
                                 device=device.torch_device)
         tied_group = None
+        tied_backend = tied_grads_backend(rank_map, emulate=groups.emulate)
         if job.model.tie_embeddings and num_stages > 1:
             # Every rank creates the group (torch requires it); only the two end stages use it.
             ends = sorted(set(rank_map.stages[0].ranks) | set(rank_map.stages[-1].ranks))
-            group = dist.new_group(ends, backend="gloo")
+            group = dist.new_group(ends, backend=groups.registered(tied_backend))
             tied_group = group if k in (0, num_stages - 1) else None
     except BaseException:
         if isinstance(optimizer, (OffloadedAdamW, Zero3OffloadAdamW)):
@@ -203,4 +207,14 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     meter = SavedActivationMeter(device.torch_device)
     meter.exclude_parameters(model)
     return StageRuntime(job=job, plan=plan, info=info, stage=stage, device=device, groups=groups, model=model,
-                        optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group, meter=meter)
+                        optimizer=optimizer, prev=prev, next=nxt, tied_group=tied_group, meter=meter,
+                        tied_on_host=tied_backend == "gloo" and not groups.emulate and info.vendor != "cpu")
+
+
+def tied_grads_backend(rank_map: RankMap, *, emulate: bool) -> str:
+    """The backend of the group summing an embedding tied across the first and last stage: their vendor's when
+    both share one (device tensors, no copies), else gloo (in emulation, always gloo), which accelerator ranks
+    feed through host copies (gloo takes no NPU tensors)."""
+    first, last = rank_map.stages[0], rank_map.stages[-1]
+    same = first.vendor == last.vendor and first.backend == last.backend
+    return first.backend if same and not emulate else "gloo"

@@ -26,6 +26,7 @@ use. The training worker asks `standins_requested(vendor)`: with `HETEROFLOW_STR
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import queue
 import sys
@@ -343,6 +344,19 @@ def _batch_isend_irecv(p2p_op_list: list) -> list:
     return _original_batch_isend_irecv(p2p_op_list)
 
 
+_original_new_group = dist.new_group
+_NEW_GROUP = inspect.signature(_original_new_group)
+
+
+def _new_group(*args, **kwargs):
+    """`dist.new_group` whose gloo groups (the default backend too) are the strict gloo stand-in: on an accelerator
+    rank every gloo group refuses device tensors, also those created outside `build_process_groups`."""
+    bound = _NEW_GROUP.bind_partial(*args, **kwargs)
+    if bound.arguments.get("backend") in (None, "gloo"):
+        bound.arguments["backend"] = STANDINS["gloo"]
+    return _original_new_group(*bound.args, **bound.kwargs)
+
+
 @dataclass(frozen=True, slots=True)
 class Standins:
     """What `install` set up in this process."""
@@ -365,6 +379,7 @@ def install(vendor_backend: str) -> Standins:
     if STANDINS["gloo"] not in registered:
         dist.Backend.register_backend(STANDINS["gloo"], _creator("gloo", "device", False), devices=["cpu"])
     dist.batch_isend_irecv = _batch_isend_irecv
+    dist.new_group = _new_group
     mode = HostTags()
     mode.__enter__()
     return Standins(vendor_backend, {vendor_backend: STANDINS[vendor_backend], "gloo": STANDINS["gloo"]}, mode)
