@@ -36,7 +36,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -274,7 +273,7 @@ class StrictGroup(dist.ProcessGroup):
             assert len(works) == 1
             return works[0]
         self._queue.put(item)
-        return _create_work_from_future(item.future)
+        return _Work(item.future)
 
     def _check(self, what: str, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
@@ -325,6 +324,27 @@ class StrictGroup(dist.ProcessGroup):
         return (f"strict {self.backend.removeprefix('strict_')} group: {label} on global rank {self.global_rank} "
                 f"made no progress in {self.timeout_s:g} s (a deadlock, or a peer that never posts the match). "
                 f"Each member rank waits in: " + "; ".join(states) + f". gloo said: {str(error).splitlines()[0]}")
+
+
+class _Work(dist.Work):
+    """A queued operation's handle: `wait()` raises what the operation failed with (a deadlock report)."""
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self.future = future
+
+    def wait(self, timeout=None) -> bool:
+        self.future.wait()  # raises the operation's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def is_success(self) -> bool:
+        return self.future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
 
 
 def _creator(backend: str, refuse: str, ordered: bool):
