@@ -72,7 +72,7 @@ def load_balancing_loss(probs_TE: torch.Tensor, indices_TK: torch.Tensor,
                        torch.tensor([num_tokens], dtype=torch.float32, device=probs_TE.device)])
     if pool is not None:
         stats = pool(stats)
-    total = int(stats[-1].item())
+    total = int(stats[-1].item()) if pool is not None else num_tokens  # a host sync only for a pooled count
     return num_experts * torch.sum(stats[:-1] / total * probs_TE.float().sum(0) / total), total
 
 
@@ -87,8 +87,10 @@ def sequence_load_balancing_loss(probs_BSE: torch.Tensor, indices_BSK: torch.Ten
     if sequence_pool is not None:
         stats = sequence_pool(stats)
     seq_length = stats[-1]
-    tokens = torch.tensor([batch * seq], dtype=torch.float32, device=probs_BSE.device)
-    total = int((pool(tokens) if pool is not None else tokens).item())
+    if pool is not None:  # a host sync only for a pooled count
+        total = int(pool(torch.tensor([batch * seq], dtype=torch.float32, device=probs_BSE.device)).item())
+    else:
+        total = batch * seq
     counts = stats[:-1].view(batch, num_experts)
     per_sequence = num_experts * torch.sum(counts / seq_length * probs_BSE.float().sum(1) / seq_length)
     return per_sequence / (total / seq_length), total
@@ -291,9 +293,10 @@ def set_aux_loss_scale(model: nn.Module, *, step_tokens: int, grad_scale: float 
 def take_aux_losses(model: nn.Module) -> torch.Tensor:
     """Sum over this model's MoE layers of the weighted aux values recorded since the last call (fp32
     scalar, on CPU); clears the records."""
-    total = torch.zeros((), dtype=torch.float32)
+    total = None
     for layer in moe_layers(model):
-        for value in layer.aux_losses:
-            total += value.float().cpu()
+        for value in layer.aux_losses:  # summed where they are, in order; one copy to the host (was one each)
+            value = value.detach().float().reshape(())
+            total = value if total is None else total + value
         layer.aux_losses.clear()
-    return total
+    return total.cpu() if total is not None else torch.zeros((), dtype=torch.float32)

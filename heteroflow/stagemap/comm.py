@@ -18,9 +18,10 @@ Assumptions (documented, used everywhere):
   sender, the network, host to device on the receiver, one hop after the other (store and forward).
 - The receiving stage pays the transfer (it waits for it before computing); sends are asynchronous.
 - An embedding tied across the first and last stage has its gradient summed once per step by every rank of
-  both stages (`runtime.stage`: one gloo group, each rank the whole fp32 vocab x hidden gradient): a ring
-  all-reduce over the nodes' network (gloo over TCP; on one node its loopback, priced no faster), with each
-  rank's device-to-host and host-to-device copy on accelerators; over the local link when emulated.
+  both stages (`runtime.stage`, each rank the whole fp32 vocab x hidden gradient): a ring all-reduce over the
+  nodes' network. When both stages are of one accelerator vendor it runs on their backend, device to device;
+  otherwise on gloo over TCP (on one node its loopback, priced no faster), with each rank's device-to-host and
+  host-to-device copy on accelerators. Over the local link when emulated.
 """
 
 from __future__ import annotations
@@ -101,5 +102,7 @@ def tied_sync_s(num_bytes: float, hardware: Hardware, *, first: DeviceModel, las
         return 0.0
     if hardware.emulate:
         return all_reduce_s(num_bytes, ranks, *first.collective_link())
+    if first.vendor == last.vendor and first.vendor != "cpu":  # the vendor's group: no host copies
+        return all_reduce_s(num_bytes, ranks, hardware.inter_node_gb_per_s, hardware.inter_latency_s)
     copies = 2 * max(num_bytes / (d.host_link_gb_per_s * 1e9) + HOST_STAGE_LATENCY_S for d in (first, last))
     return copies + all_reduce_s(num_bytes, ranks, hardware.inter_node_gb_per_s, hardware.inter_latency_s)

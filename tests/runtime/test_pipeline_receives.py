@@ -56,3 +56,14 @@ def test_without_ahead_each_receive_is_posted_when_needed():
     recvs.take()
     recvs.take()
     assert fake.log == ["post0", "wait0", "post1", "wait1"]
+
+
+def test_post_next_posts_the_next_receive_once_for_a_batch_and_take_uses_it():
+    fake = _FakeReceives()
+    recvs = _Recvs(fake.post, 2, ahead=False)
+    assert fake.log == []  # on NCCL/HCCL nothing is posted before it is needed ...
+    recvs.post_next()  # ... or before it goes out with a send (StageBoundary.together)
+    recvs.post_next()
+    assert fake.log == ["post0"]
+    assert recvs.take() == 0 and recvs.take() == 1
+    assert fake.log == ["post0", "wait0", "post1", "wait1"]

@@ -27,10 +27,9 @@ def _losses(job, tmp_path, *, steps: int = 2) -> tuple[tuple[float, ...], tuple[
     return out[0], out[1]
 
 
-def _job(nodes, stages, model=None, train=None):
-    return parse_job({"cluster": {"nodes": nodes}, "model": model or {"preset": "micro-llama"},
-                      "train": {**TRAIN, **(train or {})},
-                      "plan": {"schedule": "1f1b", "micro_batch_size": 2, "stages": stages}})
+def _job(nodes, stages, model=None, schedule="1f1b"):
+    return parse_job({"cluster": {"nodes": nodes}, "model": model or {"preset": "micro-llama"}, "train": TRAIN,
+                      "plan": {"schedule": schedule, "micro_batch_size": 2, "stages": stages}})
 
 
 @pytest.mark.slow
@@ -40,11 +39,12 @@ def test_the_three_vendor_demo_on_strict_backends_gives_the_emulated_losses(tmp_
     assert strict == emulated
 
 
-def test_1f1b_between_two_stages_of_one_vendor_does_not_deadlock(tmp_path):
-    # Two NVIDIA stages: a direct link on one (strict) NCCL communicator, 4 micro-batches so 1F1B has a steady state.
-    job = _job([{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 1},
-                {"name": "gpu-1", "device": "nvidia-a100-80g", "count": 1}],
-               [{"devices": ["gpu-0"], "layers": 2}, {"devices": ["gpu-1"], "layers": 2}])
+@pytest.mark.parametrize("schedule,stages", [("1f1b", 2), ("1f1b", 3), ("gpipe", 2)])
+def test_pipelines_between_stages_of_one_vendor_do_not_deadlock(tmp_path, schedule, stages):
+    # NVIDIA stages: direct links on (strict) NCCL communicators, 4 micro-batches so 1F1B has a steady state.
+    job = _job([{"name": f"gpu-{k}", "device": "nvidia-a100-80g", "count": 1} for k in range(stages)],
+               [{"devices": [f"gpu-{k}"], "layers": 4 // stages + (k < 4 % stages)} for k in range(stages)],
+               schedule=schedule)
     emulated, strict = _losses(job, tmp_path)
     assert strict == emulated
 

@@ -135,3 +135,18 @@ def test_a_tied_embedding_is_summed_in_the_end_stages_dp_reduction(emulate):
     for est in (a, b):
         for st in est.stages:
             assert st.times.total_s == pytest.approx(est.step_time_s)
+
+
+def test_a_tied_embedding_between_stages_of_one_vendor_is_priced_on_their_backend_without_host_copies():
+    """As the runtime runs it (`runtime.stage.tied_grads_backend`): end stages of one accelerator vendor sum on
+    their vendor's group, device to device; of different vendors on gloo, through host copies."""
+    from heteroflow.stagemap.comm import all_reduce_s, tied_sync_s
+    job = _job(STAGE_SETS["zero2-offload-recompute"], "1f1b")
+    hardware = job_hardware(job, None, emulate=False, num_ranks=job.plan.num_devices)
+    gpu, npu = (stage_hardware(job, hardware, s)[0].device for s in (job.plan.stages[0], job.plan.stages[-1]))
+    assert gpu.vendor != npu.vendor
+    nbytes = 512 * 128 * 4
+    same = tied_sync_s(nbytes, hardware, first=gpu, last=gpu, ranks=6)
+    assert same == all_reduce_s(nbytes, 6, hardware.inter_node_gb_per_s, hardware.inter_latency_s)
+    assert tied_sync_s(nbytes, hardware, first=gpu, last=npu, ranks=6) > same + 2 * nbytes / (
+        gpu.host_link_gb_per_s * 1e9)
