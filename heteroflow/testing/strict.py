@@ -402,7 +402,7 @@ def install(vendor_backend: str) -> Standins:
     dist.new_group = _new_group
     mode = HostTags()
     mode.__enter__()
-    return Standins(vendor_backend, {vendor_backend: STANDINS[vendor_backend], "gloo": STANDINS["gloo"]}, mode)
+    return Standins(vendor_backend, {vendor_backend: STANDINS[vendor_backend]}, mode)
 
 
 def standins_requested(vendor_backend: str) -> Standins | None:

@@ -49,6 +49,14 @@ def test_pipelines_between_stages_of_one_vendor_do_not_deadlock(tmp_path, schedu
     assert strict == emulated
 
 
+def test_a_direct_link_between_different_layouts_of_one_vendor(tmp_path):
+    # tp 2 -> dp 2 on one NVIDIA node: the remap's pieces, fan-outs and partial sums on strict NCCL groups.
+    job = _job([{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 4}],
+               [{"devices": ["gpu-0:0-1"], "layers": 2, "tp": 2}, {"devices": ["gpu-0:2-3"], "layers": 2, "dp": 2}])
+    emulated, strict = _losses(job, tmp_path)
+    assert strict == pytest.approx(emulated, rel=1e-6)
+
+
 def test_moe_with_ep_2_runs_on_a_vendor_group(tmp_path):
     job = _job([{"name": "npu-0", "device": "ascend-910b2", "count": 2}],
                [{"devices": ["npu-0"], "layers": 4, "dp": 2, "ep": 2}],
