@@ -65,11 +65,13 @@ def test_moe_with_ep_2_runs_on_a_vendor_group(tmp_path):
     assert strict == pytest.approx(emulated, rel=1e-6)
 
 
-@pytest.mark.parametrize("last", ["nvidia-a100-80g", "ascend-910b2"], ids=["same-vendor", "bridged"])
-def test_tied_embedding_gradients_take_a_backend_that_accepts_them(tmp_path, last):
+@pytest.mark.parametrize("last,first_layout", [("nvidia-a100-80g", {"tp": 2}), ("ascend-910b2", {"tp": 2}),
+                                               ("ascend-910b2", {"dp": 2, "zero": 3})],
+                         ids=["same-vendor", "bridged", "bridged-zero3"])
+def test_tied_embedding_gradients_take_a_backend_that_accepts_them(tmp_path, last, first_layout):
     job = _job([{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 2},
                 {"name": "end-0", "device": last, "count": 1}],
-               [{"devices": ["gpu-0"], "layers": 2, "tp": 2}, {"devices": ["end-0"], "layers": 2}],
+               [{"devices": ["gpu-0"], "layers": 2, **first_layout}, {"devices": ["end-0"], "layers": 2}],
                model={"preset": "micro-llama", "tie_embeddings": True})
     emulated, strict = _losses(job, tmp_path)
     assert strict == pytest.approx(emulated, rel=1e-6)
