@@ -13,7 +13,10 @@ that gloo lacks, so a test on CPU fails where a run on the cards would fail or h
   tensors). On CPU both live in host memory, so `HostTags`, a torch function mode, tags as *host* what real code
   makes host: tensors created without a device (`torch.tensor(list)`), `.cpu()` copies, pinned buffers
   (`pin_memory=True`, `Device.pinned_empty`), and what is computed from host tensors only. Everything else counts
-  as the stage's device memory; `.to(device)` of a host tensor makes a device copy.
+  as the stage's device memory; `.to(device)` of a host tensor makes a device copy. Limits: a tensor made with an
+  explicit `device="cpu"` (or moved by `.to("cpu")`) counts as device memory, since on CPU the stage's device is
+  `cpu` too: code that means host memory says `.cpu()` or pins it. The world group (made before this module runs)
+  stays plain gloo.
 - **A deadlock fails within `timeout_s`**, naming every member rank of the group and the operation it waits in: each
   rank publishes in the group's store what its queue is running.
 

@@ -103,3 +103,22 @@ def test_vendor_groups_refuse_host_tensors_and_gloo_refuses_device_tensors():
     for found in run_ranks(_rules_rank, 2, timeout_s=60):
         assert found == {"host tagged": True, "device untagged": True, "host copy tagged": True,
                          "vendor refuses host": True, "gloo refuses device": True, "sums": [0.0, 0.0]}
+
+
+def test_host_tags_follow_what_real_code_makes_host():
+    """No processes: the torch function mode's rules, one by one."""
+    from heteroflow.testing.strict import HostTags
+
+    with HostTags():
+        device = torch.zeros(3, device="cpu")  # the stage's device (an explicit device argument)
+        counts = torch.tensor([1, 2, 3])  # no device: host
+        pinned = torch.empty(3, pin_memory=False)
+        assert not is_host(device) and is_host(counts) and is_host(pinned)
+        assert is_host(counts[1:]) and is_host(counts.view(3, 1))  # views of host memory
+        assert is_host(counts.sum(0)) and is_host(counts.float())  # computed from host tensors only
+        assert not is_host(device + counts)  # a device result (real code would have moved counts first)
+        staged = device.cpu()
+        assert is_host(staged) and staged is not device and not is_host(device)  # a copy, as a card makes
+        moved = counts.to(device.device)
+        assert not is_host(moved) and moved is not counts  # a device copy
+        assert is_host(torch.empty_like(counts)) and not is_host(torch.empty_like(device))
