@@ -16,7 +16,7 @@ from heteroflow.errors import did_you_mean
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HETEROFLOW_NODE",
-                "HETEROFLOW_NODE_RANKS", "HETEROFLOW_VISIBLE_DEVICES")
+                "HETEROFLOW_NODE_RANKS", "HETEROFLOW_VISIBLE_DEVICES", "HETEROFLOW_STOP_FILE")
 """Set by the launcher for each worker; a job may not set them."""
 RESERVED_ENV_PREFIXES = ("TORCHELASTIC_",)
 

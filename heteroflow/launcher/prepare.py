@@ -16,6 +16,7 @@ from heteroflow.checkpoint.meta import check_model, read_metadata
 from heteroflow.checkpoint.verify import checkpoint_to_resume
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
+from heteroflow.launcher.signals import DEFAULT_STOP_GRACE_S
 from heteroflow.runtime.checkpoint import checkpoint_root
 from heteroflow.runtime.worker import WorkerArgs
 
@@ -45,6 +46,8 @@ class TrainOptions:
     """Multi-node: how long survivors wait for each other after a failure; None: timeout_s + join_timeout_s."""
     resume: bool = False
     """Continue from the newest complete checkpoint in train.checkpoint.dir (step 0 when there is none)."""
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S
+    """After SIGTERM or SIGINT, how long the ranks have to finish their step and save before they are killed."""
 
 
 def cache_dir() -> Path:

@@ -45,7 +45,7 @@ def train_job(job: JobConfig, options: TrainOptions) -> dict[int, WorkerResult]:
         for line in conflicts:
             print(f"heteroflow: --emulate runs every node's ranks on this machine: {line}", flush=True)
         spec = LaunchSpec(num_processes=plan.num_devices, log_dir=options.log_dir, max_restarts=options.max_restarts,
-                          env=env)
+                          env=env, stop_grace_s=options.stop_grace_s)
         return launch(spec, run_worker, args)
     finally:
         sweep_swap(swap_root)  # swap directories of ranks killed before they could remove their own
