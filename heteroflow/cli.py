@@ -109,12 +109,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
     job = load_job(args.job)
     check_output_paths(Output("--metrics", args.metrics, FILE_IN_NEW_DIR), Output("--log-dir", args.log_dir, DIR),
-                       *job_outputs(job))
+                       Output("--tensorboard-dir", args.tensorboard_dir, DIR), *job_outputs(job))
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
                            log_dir=args.log_dir, timeout_s=args.timeout, max_restarts=args.max_restarts,
                            node=args.node, rdzv=args.rdzv, join_timeout_s=args.join_timeout,
                            replan_on_failure=args.replan_on_failure, rejoin_timeout_s=args.rejoin_timeout,
-                           resume=args.resume,
+                           resume=args.resume, tensorboard_dir=args.tensorboard_dir,
                            stop_grace_s=args.stop_grace if args.stop_grace is not None else DEFAULT_STOP_GRACE_S)
     try:
         results = train_job(job, options)
@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in train.checkpoint.dir (any plan may resume "
                         "it; step 0 when there is none)")
+    p.add_argument("--tensorboard-dir", metavar="DIR",
+                   help="write TensorBoard scalars here from rank 0 (overrides train.tensorboard_dir; needs the "
+                        "tensorboard extra)")
     p.add_argument("--stop-grace", type=float, metavar="S",
                    help="on SIGTERM or SIGINT every rank finishes its step and the run saves a checkpoint; the ranks "
                         "are killed if that takes longer than S seconds (default 25; set it below the scheduler's "

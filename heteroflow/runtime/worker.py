@@ -21,6 +21,7 @@ from heteroflow.runtime.progress import world_progress_board
 from heteroflow.runtime.stage_table import stage_table
 from heteroflow.runtime.stage_times import gather_step_figures, rank_figures, stage_records
 from heteroflow.runtime.stop import StopRequest, agreed_signal
+from heteroflow.runtime.tensorboard import TensorBoardWriter
 from heteroflow.runtime.user_errors import TrainingDiverged, clear_user_error, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
@@ -40,6 +41,8 @@ class WorkerArgs:
     data_dir: str
     """Where the built-in corpus token file is written when the job names no data."""
     metrics_path: str | None = None
+    tensorboard_dir: str | None = None
+    """Where rank 0 writes TensorBoard scalars (`runtime.tensorboard`), or None."""
     predicted_step_time_s: float | None = None
     predicted_stages: tuple[dict[str, float], ...] | None = None
     """Per stage, the cost model's seconds per step by part and `step_s` (`stagemap.breakdown`), or None."""
@@ -163,6 +166,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
     writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
+    board = TensorBoardWriter(args.tensorboard_dir, interval=train.tensorboard_log_interval) \
+        if rank == 0 and args.tensorboard_dir else None
     progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
     stopped_by, saved = 0, None
@@ -248,6 +253,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
                                     stages=stage_records(measured, args.predicted_stages, device_types),
                                     memory=memory_record(job, plan, memory_measured, stage_of_rank))
                 writer.write(record)
+                if board is not None:
+                    board.write(record)
                 records.append({"step": step, "stages": record.stages})
                 if progress is not None:
                     progress.update(record)
@@ -262,6 +269,8 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
         watchdog.stop()
         if writer is not None:
             writer.close()
+        if board is not None:
+            board.close()
     table = stage_table(records) if progress is not None else None
     if table is not None:
         print(table, flush=True)
