@@ -14,6 +14,7 @@ rank through the step's world all-reduce, so every node stops after the same ste
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -45,37 +46,49 @@ class StopController:
         self.forced = ""
         """Why the workers were killed at once ('' while they were not)."""
         self._saved: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+        self._grace_expired = False
+        self._active = True
 
     def __enter__(self) -> "StopController":
         self.stop_file.unlink(missing_ok=True)
         if threading.current_thread() is threading.main_thread():
-            for signum in (*STOP_SIGNALS, signal.SIGALRM):
+            for signum in STOP_SIGNALS:
                 self._saved[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._saved:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        self._active = False
+        if self._timer is not None:
+            self._timer.cancel()
         for signum, handler in self._saved.items():
             signal.signal(signum, handler)
         self._saved.clear()
         self.stop_file.unlink(missing_ok=True)
 
     def _handle(self, signum: int, _frame) -> None:
-        if signum != signal.SIGALRM and not self.signum:
+        if not self.signum:
             self.signum = signum
             self.stop_file.write_text(str(signum))
             print(f"heteroflow: {signal_name(signum)} received: every rank stops after the step in flight and "
                   f"saves a checkpoint (within --stop-grace {self.grace_s:g} s; a second signal stops at once)",
                   file=sys.stderr, flush=True)
-            signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+            # No SIGALRM (a test harness's timeout may own it): a timer thread signals this process again.
+            self._timer = threading.Timer(self.grace_s, self._grace_over)
+            self._timer.daemon = True
+            self._timer.start()
             return
-        if signum == signal.SIGALRM:
+        if self._grace_expired:
             self.forced = (f"the ranks did not stop within --stop-grace {self.grace_s:g} s of "
                            f"{signal_name(self.signum)}")
         else:
             self.forced = f"a second {signal_name(signum)}"
         self._kill_workers()
+
+    def _grace_over(self) -> None:
+        self._grace_expired = True
+        if self._active:
+            os.kill(os.getpid(), self.signum)  # handled in the main thread, as a second signal
 
     def _kill_workers(self) -> None:
         """Make torch elastic's agent kill every worker with SIGKILL (it does so on this exception) and stop."""

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import REPO
 
@@ -139,7 +138,8 @@ def test_a_step_that_cannot_finish_is_abandoned(tmp_path, second):
     the run at once with the documented status and no traceback."""
     job = write_job(tmp_path / "job.yaml", JOB)
     metrics = tmp_path / "metrics.jsonl"
-    proc = _start(tmp_path, job, "--metrics", str(metrics), "--stop-grace", "3",
+    grace = 60 if second else 3  # the second signal comes long before the grace period ends
+    proc = _start(tmp_path, job, "--metrics", str(metrics), "--stop-grace", str(grace),
                   env=_env(tmp_path, HETEROFLOW_INJECT_FAULT="hang@1:3"))
     try:
         _wait_for_steps(metrics, 3, [proc])
@@ -160,7 +160,7 @@ def test_a_step_that_cannot_finish_is_abandoned(tmp_path, second):
     assert f"heteroflow train: stopped at once after {why}: the step in flight and its checkpoint were abandoned; " \
            f"the newest complete checkpoint in {tmp_path / 'ckpt'} is kept; continue from it with: " in text, text[-3000:]
     assert "Traceback" not in text, text[-4000:]
-    assert took < (3 if second else 15), took
+    assert took < 30 and (second or took >= grace), took  # bounded: not the hung step, nor the collective timeout
     assert not list(tmp_path.glob("ckpt/step-*/heteroflow-checkpoint.json")), "no step was complete to save"
 
 
