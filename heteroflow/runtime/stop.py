@@ -47,10 +47,11 @@ class StopRequest:
 
     @classmethod
     def install(cls) -> "StopRequest":
-        """Handle SIGTERM and SIGINT in this process from now on (until `close`); the stop file is the
-        agent's (`HETEROFLOW_STOP_FILE`). Off the main thread (an in-process test harness) only the file counts."""
+        """Handle SIGTERM and SIGINT in this process from now on (until `close`) when heteroflow's launcher
+        started it (it names the stop file, `HETEROFLOW_STOP_FILE`); elsewhere (a test harness that ends its
+        ranks with SIGTERM, a thread that is not the main one) the signals keep their handlers."""
         request = cls(os.environ.get(ENV_STOP_FILE))
-        if threading.current_thread() is threading.main_thread():
+        if request.stop_file is not None and threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 request._saved[signum] = signal.signal(signum, request._handle)
         return request

@@ -138,12 +138,12 @@ def _run_worker(args: WorkerArgs, stop: StopRequest) -> WorkerResult:
 def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[int, list[float], int, str | None]:
     """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step, the losses,
     and when a signal stopped the run early (`runtime.stop`), the signal and the checkpoint written then."""
+    from heteroflow.checkpoint.files import step_dir_name
     from heteroflow.data.builtin import open_train_data
     from heteroflow.data.tokens import micro_batch_indices
     from heteroflow.devices.timing import PartTimer
     from heteroflow.models.moe import set_aux_loss_scale, take_aux_losses
     from heteroflow.models.tp_ops import timing_collectives
-    from heteroflow.checkpoint.files import step_dir_name
     from heteroflow.runtime.checkpoint import TrainCheckpoints
     from heteroflow.runtime.lr import learning_rate
     from heteroflow.runtime.pipeline import MicroBatch, run_pipeline_step
