@@ -27,12 +27,16 @@ DEFAULT_STOP_GRACE_S = 25.0
 (terminationGracePeriodSeconds) leave between SIGTERM and SIGKILL by default."""
 
 
-class StoppedAtOnce(Exception):
-    """The workers were killed: a second signal, or the first one's grace period ran out."""
+class Stopped(Exception):
+    """A run a signal ended; `exit_status` is 128 + the signal."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_status = exit_status(signum)
+
+
+class StoppedAtOnce(Stopped):
+    """The workers were killed: a second signal, or the first one's grace period ran out."""
 
 
 class StopController:

@@ -185,3 +185,25 @@ def test_signal_at_one_node_stops_every_node(tmp_path):
     assert "SIGTERM received" in nodes[1].output() and "SIGTERM received" not in nodes[0].output()
     _no_traceback_in_logs(tmp_path / "logs")
     _check_resume(tmp_path, single, step, reference)
+
+
+def test_ctrl_c_ends_tune_instead_of_the_next_trial_running(tmp_path):
+    """`heteroflow tune` runs trials through the same launcher: Ctrl-C in a trial ends the whole tuning."""
+    job = write_job(tmp_path / "job.yaml", {k: v for k, v in JOB.items() if k != "plan"})  # tune plans it
+    metrics = tmp_path / "work" / "trial-1.jsonl"
+    out = open(tmp_path / "run.out", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "heteroflow", "tune", str(job), "--emulate", "--top", "2",
+                             "--steps", str(FULL_STEPS), "--work-dir", str(tmp_path / "work"), "-o",
+                             str(tmp_path / "best.yaml")], cwd=REPO, env=_env(tmp_path), stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_steps(metrics, 2, [proc])
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "run.out").read_text()
+    assert code == 130, text[-4000:]
+    assert "heteroflow tune: stopped by SIGINT during trial trial-1: tuning abandoned" in text, text[-3000:]
+    assert "trial-2" not in text and "Traceback" not in text, text[-4000:]
