@@ -101,6 +101,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from heteroflow.config import load_job
     from heteroflow.launcher.launch import TrainingFailed
     from heteroflow.launcher.prepare import TrainOptions
+    from heteroflow.launcher.signals import DEFAULT_STOP_GRACE_S, StoppedAtOnce
     from heteroflow.launcher.train import train_job
     if (args.node is None) != (args.rdzv is None):
         raise UserError("a multi-node run needs both --node NAME and --rdzv HOST:PORT (on every node)")
@@ -108,17 +109,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
     job = load_job(args.job)
     check_output_paths(Output("--metrics", args.metrics, FILE_IN_NEW_DIR), Output("--log-dir", args.log_dir, DIR),
-                       *job_outputs(job))
+                       Output("--tensorboard-dir", args.tensorboard_dir, DIR), *job_outputs(job))
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
                            log_dir=args.log_dir, timeout_s=args.timeout, max_restarts=args.max_restarts,
                            node=args.node, rdzv=args.rdzv, join_timeout_s=args.join_timeout,
                            replan_on_failure=args.replan_on_failure, rejoin_timeout_s=args.rejoin_timeout,
-                           resume=args.resume)
+                           resume=args.resume, tensorboard_dir=args.tensorboard_dir,
+                           stop_grace_s=args.stop_grace if args.stop_grace is not None else DEFAULT_STOP_GRACE_S)
     try:
         results = train_job(job, options)
     except TrainingFailed as failure:
         print(f"heteroflow train: training failed\n{failure}", file=sys.stderr)
         return 1
+    except StoppedAtOnce as stopped:
+        print(f"heteroflow train: {stopped}; {_resume_advice(job)}", file=sys.stderr)
+        return stopped.exit_status
+    stopped_by = max((r.stopped_by for r in results.values()), default=0)
+    if stopped_by:
+        return _report_stop(job, results, stopped_by)
     if 0 not in results:  # a node without rank 0: rank 0's node prints the losses
         where = f"node {args.node} " if args.node else ""
         print(f"heteroflow train: {where}done (ranks {', '.join(map(str, sorted(results))) or 'none'})")
@@ -129,6 +137,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"heteroflow train: done, {len(losses)} steps{resumed}, loss {losses[0]:.4f} -> {losses[-1]:.4f}"
               + (f"; metrics in {args.metrics}" if args.metrics else ""))
     return 0
+
+def _resume_command() -> str:
+    """This command line with `--resume` (added when missing)."""
+    import shlex
+    argv = ["heteroflow", *sys.argv[1:]]
+    return shlex.join(argv if "--resume" in argv else [*argv, "--resume"])
+
+
+def _resume_advice(job) -> str:
+    """Where a killed run can continue from."""
+    from heteroflow.runtime.checkpoint import checkpoint_root
+    root = checkpoint_root(job)
+    if root is None:
+        return "the job sets no train.checkpoint, so nothing was saved"
+    return f"the newest complete checkpoint in {root} is kept; continue from it with: {_resume_command()}"
+
+
+def _report_stop(job, results: dict, signum: int) -> int:
+    """One line for a run stopped by a signal after a step (`heteroflow.runtime.stop`); its exit status."""
+    from heteroflow.runtime.stop import exit_status, signal_name
+    result = results[min(results)]
+    done = result.first_step + len(result.losses)
+    what = f"heteroflow train: stopped by {signal_name(signum)} after step {done - 1}"
+    if result.saved:
+        print(f"{what}; checkpoint {result.saved} (step {done}); resume with: {_resume_command()}", flush=True)
+    else:
+        print(f"{what}; the job sets no train.checkpoint, so nothing was saved: set it to resume a stopped run "
+              f"(it is written at a stop whatever its interval)", flush=True)
+    return exit_status(signum)
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search the best plan for a job, or estimate a given one."""
@@ -232,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in train.checkpoint.dir (any plan may resume "
                         "it; step 0 when there is none)")
+    p.add_argument("--tensorboard-dir", metavar="DIR",
+                   help="write TensorBoard scalars here from rank 0 (overrides train.tensorboard_dir; needs the "
+                        "tensorboard extra)")
+    p.add_argument("--stop-grace", type=float, metavar="S",
+                   help="on SIGTERM or SIGINT every rank finishes its step and the run saves a checkpoint; the ranks "
+                        "are killed if that takes longer than S seconds (default 25; set it below the scheduler's "
+                        "window, e.g. SLURM --signal=TERM@T)")
 
     p = add("import-megatron", cmd_import_megatron,
             "turn a Megatron-LM launch script, --yaml-cfg file or NeMo model YAML into a job (never runs it)")
@@ -324,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _FLAG_LIMITS = {  # argparse dest -> the flag as written, and its allowed range
     "steps": ("--steps", limits.STEPS), "timeout": ("--timeout", limits.TIMEOUT_S),
+    "stop_grace": ("--stop-grace", limits.TIMEOUT_S),
     "join_timeout": ("--join-timeout", limits.TIMEOUT_S), "rejoin_timeout": ("--rejoin-timeout", limits.TIMEOUT_S),
     "max_restarts": ("--max-restarts", limits.MAX_RESTARTS), "nnodes": ("--nnodes", limits.NUM_NODES),
     "nproc_per_node": ("--nproc-per-node", limits.DEVICES_PER_NODE), "vocab_size": ("--vocab-size", limits.VOCAB_SIZE),

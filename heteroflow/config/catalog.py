@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from heteroflow.config.device import DeviceSpec
 from heteroflow.config.topology import NodeTopology, full_mesh
-from heteroflow.errors import UserError, did_you_mean
+from heteroflow.config.chip_names import device_type_hint
+from heteroflow.errors import UserError
 
 # PCIe per direction, x16: Gen3 ~16, Gen4 ~32, Gen5 ~64 GB/s.
 _PCIE3, _PCIE4, _PCIE5 = 16.0, 32.0, 64.0
@@ -153,7 +154,7 @@ def lookup(name: str) -> DeviceSpec:
     key = ALIASES.get(key, key)
     if key in CATALOG:
         return CATALOG[key]
-    hint = did_you_mean(name, [*CATALOG, *ALIASES])
+    hint = device_type_hint(name, CATALOG, ALIASES)
     raise UserError(
         f"unknown chip {name!r}{hint}; `heteroflow devices --catalog` lists the known chips, "
         "or describe it under cluster.device_types"

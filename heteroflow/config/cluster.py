@@ -8,17 +8,24 @@ from typing import Mapping
 
 from heteroflow.config import limits
 from heteroflow.config.catalog import ALIASES, CATALOG
+from heteroflow.config.chip_names import device_type_hint
 from heteroflow.config.device import VENDORS, DeviceSpec
 from heteroflow.config.reader import REQUIRED, Problems, Section, type_name
 from heteroflow.config.topology import parse_topology
-from heteroflow.errors import did_you_mean
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HETEROFLOW_NODE",
-                "HETEROFLOW_NODE_RANKS", "HETEROFLOW_VISIBLE_DEVICES")
+                "HETEROFLOW_NODE_RANKS", "HETEROFLOW_VISIBLE_DEVICES", "HETEROFLOW_STOP_FILE")
 """Set by the launcher for each worker; a job may not set them."""
 RESERVED_ENV_PREFIXES = ("TORCHELASTIC_",)
+MAX_ENV_ENTRY_BYTES = 131_072 - 1
+"""The longest `NAME=VALUE` entry a process environment holds on Linux (MAX_ARG_STRLEN, with its NUL)."""
+MAX_NODE_ENV_BYTES = 1 << 20
+"""The declared variables of one node's workers, all entries together: half of Linux's usual ARG_MAX (2 MiB,
+shared with the command line and the environment the agent already has)."""
+MAX_HOST_CHARS = 253
+"""The longest DNS name."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,9 +181,49 @@ def parse_env(sec: Section, key: str = "env") -> dict[str, str] | None:
         elif isinstance(value, bool) or not isinstance(value, (str, int, float)):
             hint = "; quote it ('true', '1')" if isinstance(value, bool) else ""
             sec.problems.add(where, f"expected a string or a number, got {type_name(value)} {value!r}{hint}")
+        elif (problem := env_entry_problem(name, str(value))) is not None:
+            sec.problems.add(where, problem)
         else:
             env[name] = str(value)
     return env
+
+
+def env_entry_problem(name: str, value: str) -> str | None:
+    """Why no process environment can hold `NAME=VALUE`, or None."""
+    if "\0" in value:
+        return "the value holds a NUL byte (\\0), which no process environment can hold; remove it"
+    try:
+        size = len(name.encode()) + 1 + len(value.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        return "the value holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape), which is not text; remove it"
+    if size > MAX_ENV_ENTRY_BYTES:
+        return (f"NAME=VALUE is {size:,} bytes; a process environment entry holds at most {MAX_ENV_ENTRY_BYTES:,} "
+                "(Linux MAX_ARG_STRLEN): put long values in a file and pass its path")
+    return None
+
+
+def text_problem(text: str, what: str, *, max_chars: int, more: str = "") -> str | None:
+    """Why `text` cannot be a node name or host (NUL or control characters, too long, `more` characters), or
+    None. Both reach the workers' environment, log paths and sockets."""
+    bad = sorted({c for c in text if ord(c) < 32 or ord(c) == 127 or c in more})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        return f"{what} {text!r} holds {shown}; use letters, digits, '.', '-' and '_'"
+    if len(text) > max_chars:
+        return f"{what} is {len(text)} characters long; at most {max_chars}"
+    return None
+
+
+def _node_env_problems(cluster_env: dict[str, str], type_env: dict[str, dict[str, str]], nodes: list[NodeSpec],
+                       sec: Section) -> None:
+    """Each node's declared variables together (cluster, device type, node) fit in a process environment."""
+    for i, node in enumerate(nodes):
+        merged = {**cluster_env, **type_env.get(node.device, {}), **node.env}
+        size = sum(len(k.encode()) + len(v.encode("utf-8", "surrogateescape")) + 2 for k, v in merged.items())
+        if size > MAX_NODE_ENV_BYTES:
+            sec.problems.add(f"{sec.at('nodes')}[{i}].env", f"the variables node {node.name!r} gets (cluster, device "
+                             f"type and node env) take {size:,} bytes; at most {MAX_NODE_ENV_BYTES:,} fit beside the "
+                             "launcher's: put long values in files")
 
 
 def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> ClusterSpec | None:
@@ -200,7 +247,7 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
                 canonical = str(name) if base else ALIASES.get(str(name).lower(), str(name).lower())
                 if canonical not in CATALOG:
                     problems.add(entry.path, f"unknown device type {str(name)!r}: an entry with only `env` must "
-                                 "name a catalog device type" + did_you_mean(str(name), [*CATALOG, *ALIASES]))
+                                 "name a catalog device type" + device_type_hint(str(name), CATALOG, ALIASES))
                 else:
                     types[canonical] = CATALOG[canonical]
                     type_env[canonical] = env or {}
@@ -221,6 +268,9 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
         device = node_sec.string("device")
         count = node_sec.integer("count", limit=limits.DEVICES_PER_NODE)
         host = node_sec.string("host", None)
+        if host is not None and (problem := text_problem(host, "host", max_chars=MAX_HOST_CHARS, more=" /")):
+            problems.add(node_sec.at("host"), problem)
+            host = None
         node_env = parse_env(node_sec) or {}
         node_sec.finish()
         if name is not None:
@@ -231,6 +281,10 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
             elif ":" in name or not name.strip():
                 problems.add(node_sec.at("name"), f"node name {name!r} must be non-empty without ':'")
                 name = None
+            elif (problem := text_problem(name, "node name", max_chars=255, more="/\\")) is not None \
+                    or name in (".", ".."):
+                problems.add(node_sec.at("name"), problem or f"node name {name!r} is a directory name; rename it")
+                name = None
             else:
                 seen_names[name] = i
         if device is not None and device not in known:
@@ -238,7 +292,7 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
             canonical = ALIASES.get(device.lower(), device.lower())
             device = canonical if canonical in CATALOG else device
         if device is not None and device not in known:
-            problems.add(node_sec.at("device"), f"unknown device type {device!r}" + did_you_mean(device, [*known, *ALIASES])
+            problems.add(node_sec.at("device"), f"unknown device type {device!r}" + device_type_hint(device, known, ALIASES)
                          + "; declare it under cluster.device_types or run `heteroflow devices --catalog`")
             device = None
         topology = known[device].topology if device is not None else None
@@ -255,6 +309,7 @@ def parse_cluster(data: object, problems: Problems, path: str = "cluster") -> Cl
     elif raw_nodes is not None and len(raw_nodes) > limits.MAX_NODES:
         problems.add(sec.at("nodes"), f"{len(raw_nodes)} nodes; a cluster may have at most {limits.MAX_NODES}")
     sec.finish()
+    _node_env_problems(cluster_env, type_env, nodes, sec)
     if not sec.valid or inter is None or not nodes:
         return None
     return ClusterSpec(nodes=tuple(nodes), device_types=types, inter_node_gb_per_s=inter, profile=profile,

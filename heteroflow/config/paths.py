@@ -90,10 +90,13 @@ def check_output_paths(*outputs: Output) -> None:
 
 
 def job_outputs(job: JobConfig) -> list[Output]:
-    """The directories a training run of `job` writes: `train.checkpoint.dir` and `train.offload_dir`."""
+    """The directories a training run of `job` writes: `train.checkpoint.dir`, `train.offload_dir` and
+    `train.tensorboard_dir`."""
     outputs = []
     if job.train.checkpoint is not None:
         outputs.append(Output("train.checkpoint.dir", job.resolve_path(job.train.checkpoint.dir), DIR))
     if job.train.offload_dir is not None:
         outputs.append(Output("train.offload_dir", job.resolve_path(job.train.offload_dir), DIR))
+    if job.train.tensorboard_dir is not None:
+        outputs.append(Output("train.tensorboard_dir", job.resolve_path(job.train.tensorboard_dir), DIR))
     return outputs

@@ -67,6 +67,12 @@ class TrainSpec:
     """Dynamic loss scaling: clean steps in a row before the scale doubles."""
     hysteresis: int = 2
     """Dynamic loss scaling: overflowing steps tolerated (since the scale last grew) before it halves."""
+    tensorboard_dir: str | None = None
+    """Where rank 0 writes TensorBoard scalars (resolved relative to the job file; needs the `tensorboard`
+    extra); None writes none. `heteroflow train --tensorboard-dir` overrides it."""
+    tensorboard_log_interval: int = 1
+    """Write the TensorBoard scalars of every `tensorboard_log_interval`-th step (Megatron's
+    `--tensorboard-log-interval`)."""
     offload_dir: str | None = None
     """Where stages with an `ssd` offload tier keep their scratch swap files (resolved relative to the job
     file; never inside `checkpoint.dir`); None: `$HETEROFLOW_SWAP_DIR`, else the system temp directory."""
@@ -97,6 +103,9 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
         "warmup_steps": sec.integer("warmup_steps", d["warmup_steps"].default, limit=limits.WARMUP_STEPS),
         "init_from": sec.string("init_from", None),
         "offload_dir": sec.string("offload_dir", None),
+        "tensorboard_dir": sec.string("tensorboard_dir", None),
+        "tensorboard_log_interval": sec.integer("tensorboard_log_interval", d["tensorboard_log_interval"].default,
+                                                limit=limits.STEPS),
     }
     for name, limit in _NUMBER_LIMITS.items():
         values[name] = sec.number(name, d[name].default, limit=limit)
@@ -125,7 +134,7 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
         problems.add(sec.at("offload_dir"), f"{offload_dir!r} is inside train.checkpoint.dir {ckpt.dir!r}; swap files "
                      "are scratch and must never mix with checkpoints: choose a directory outside it")
         return None
-    optional = ("init_from", "data", "checkpoint", "offload_dir", "loss_scale")
+    optional = ("init_from", "data", "checkpoint", "offload_dir", "loss_scale", "tensorboard_dir")
     if not sec.valid or any(v is None for k, v in values.items() if k not in optional):
         return None
     if (data_sec is not None and values["data"] is None) or (ckpt_sec is not None and values["checkpoint"] is None):

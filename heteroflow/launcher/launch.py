@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from heteroflow.errors import UserError
+from heteroflow.launcher.signals import DEFAULT_STOP_GRACE_S, StopController
+from heteroflow.runtime.stop import ENV_STOP_FILE
 from heteroflow.runtime.user_errors import ENV_ERROR_DIR, error_dir, read_user_errors, user_error_message
 from heteroflow.stagemap.hardware import threads_per_process
 
@@ -72,6 +74,9 @@ class LaunchSpec:
     """Plan rank of each local rank; None when elastic's numbering is the plan's (one node)."""
     tee_local_rank: int | None = 0
     """The local rank whose output is also shown live; None shows none."""
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S
+    """After a SIGTERM or SIGINT, how long the ranks have to finish their step and save before they are killed
+    (`heteroflow.launcher.signals`)."""
 
 
 def free_port() -> int:
@@ -85,6 +90,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
     """Run `entrypoint(*args)` on every local rank; return each rank's return value by plan rank, or raise
     `TrainingFailed` (`RendezvousFailed` when the nodes could not meet)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -106,17 +112,30 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
         max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn", role="heteroflow",
         log_line_prefix_template="[rank ${rank}] " if spec.rank_order is None else "[local rank ${local_rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee),
+        # SIGTERM and SIGINT are ours (`StopController`): the ranks stop after a step instead of at once. The
+        # workers handle them too, so elastic's own SIGTERM to the others after a failure may be held up by a
+        # rank blocked in a collective: it is followed by SIGKILL after a few seconds.
+        signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=5,
     )
     order = spec.rank_order
     # Workers inherit the environment: keep many CPU ranks from oversubscribing the cores. Elastic's shared
     # agent store keeps the keys of a failed attempt, which the restarted workers then read
     # (pytorch/pytorch#135712): use a fresh store per rendezvous round, hosted by worker 0.
+    stop_file = Path(log_dir) / f"stop-{os.getpid()}"
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", ENV_ERROR_DIR: str(error_dir(log_dir)), **spec.env}
-    with worker_environment(env), quiet_elastic_logs():
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", ENV_ERROR_DIR: str(error_dir(log_dir)),
+           ENV_STOP_FILE: str(stop_file), **spec.env}
+    with worker_environment(env), quiet_elastic_logs(), StopController(stop_file, grace_s=spec.stop_grace_s) as stop:
         try:
             results = elastic_launch(config, entrypoint)(*args)
+        except SignalException:
+            if not stop.forced:
+                raise
+            print(f"heteroflow: all rank logs: {log_dir}", file=sys.stderr, flush=True)
+            raise stop.stopped_at_once() from None
         except ChildFailedError as error:
+            if stop.forced:  # a rank that got the second signal itself may end before the agent acts on its own
+                raise stop.stopped_at_once() from None
             user_errors = read_user_errors(error_dir(log_dir))
             if user_errors:  # something the user can fix: one clear message, not the workers' tracebacks
                 raise UserError(f"{user_error_message(user_errors)}\n(all rank logs: {log_dir})") from None

@@ -119,7 +119,7 @@ def _start_node(job: JobConfig, plan: PlanSpec, options: TrainOptions, endpoint:
                       run_id=f"heteroflow-{fingerprint(job, plan, options)}-{key}",
                       join_timeout_s=options.join_timeout_s, local_addr=job.cluster.node(options.node).host,
                       env=node_environment(job, plan, options.node, emulate=options.emulate),
-                      rank_order=placement.ranks, tee_local_rank=tee)
+                      rank_order=placement.ranks, tee_local_rank=tee, stop_grace_s=options.stop_grace_s)
     return start(spec, run_worker, worker_args(job, plan, options, resume=resume))
 
 

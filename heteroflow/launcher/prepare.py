@@ -16,6 +16,7 @@ from heteroflow.checkpoint.meta import check_model, read_metadata
 from heteroflow.checkpoint.verify import checkpoint_to_resume
 from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.errors import UserError
+from heteroflow.launcher.signals import DEFAULT_STOP_GRACE_S
 from heteroflow.runtime.checkpoint import checkpoint_root
 from heteroflow.runtime.worker import WorkerArgs
 
@@ -45,6 +46,10 @@ class TrainOptions:
     """Multi-node: how long survivors wait for each other after a failure; None: timeout_s + join_timeout_s."""
     resume: bool = False
     """Continue from the newest complete checkpoint in train.checkpoint.dir (step 0 when there is none)."""
+    tensorboard_dir: str | None = None
+    """`--tensorboard-dir`: overrides train.tensorboard_dir."""
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S
+    """After SIGTERM or SIGINT, how long the ranks have to finish their step and save before they are killed."""
 
 
 def cache_dir() -> Path:
@@ -157,8 +162,18 @@ def worker_args(job: JobConfig, plan: PlanSpec, options: TrainOptions, *, resume
     return WorkerArgs(job=job, plan=plan, emulate=options.emulate, steps=steps_of(job, options),
                       data_dir=str(cache_dir() / "data"),
                       metrics_path=os.path.abspath(options.metrics_path) if options.metrics_path else None,
+                      tensorboard_dir=tensorboard_dir(job, options),
                       predicted_step_time_s=step_time_s, predicted_stages=stage_times,
                       timeout_s=options.timeout_s, resume=resume or options.resume)
+
+
+def tensorboard_dir(job: JobConfig, options: TrainOptions) -> str | None:
+    """`--tensorboard-dir`, else train.tensorboard_dir (relative to the job file), as an absolute path; or None."""
+    if options.tensorboard_dir:
+        return os.path.abspath(options.tensorboard_dir)
+    if job.train.tensorboard_dir:
+        return os.path.abspath(job.resolve_path(job.train.tensorboard_dir))
+    return None
 
 
 def steps_of(job: JobConfig, options: TrainOptions) -> int:

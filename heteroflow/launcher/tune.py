@@ -26,7 +26,9 @@ from heteroflow.config.yamlfile import dump_yaml
 from heteroflow.errors import UserError
 from heteroflow.launcher.launch import TrainingFailed
 from heteroflow.launcher.prepare import TrainOptions
+from heteroflow.launcher.signals import Stopped
 from heteroflow.launcher.train import train_job
+from heteroflow.runtime.stop import signal_name
 from heteroflow.stagemap import RUNTIME_LAYOUTS, PlanEstimate, evaluate_plan, search_plan, search_top_plans
 from heteroflow.stagemap.calibration import Calibration, save_calibration
 from heteroflow.stagemap.planfile import plan_document, write_plan
@@ -146,12 +148,16 @@ def _run_trial(job: JobConfig, estimate: PlanEstimate, name: str, reason: str, o
                          metrics_path=str(metrics), log_dir=str(work / f"logs-{name}"), timeout_s=options.timeout_s,
                          node=options.node, rdzv=options.rdzv, join_timeout_s=options.join_timeout_s)
     try:
-        train_job(trial_job(job, options.steps), train)
+        results = train_job(trial_job(job, options.steps), train)
     except (TrainingFailed, UserError) as failure:
         first = str(failure).strip().splitlines()[:1]
         print(f"heteroflow tune: {name} failed; the next plan goes on (logs: {work / f'logs-{name}'})",
               file=sys.stderr, flush=True)
         return replace(trial, error=first[0] if first else type(failure).__name__)
+    stopped_by = max((r.stopped_by for r in results.values()), default=0)
+    if stopped_by:  # SIGTERM / Ctrl-C: the trial ended early and tuning ends with it
+        raise Stopped(f"stopped by {signal_name(stopped_by)} during trial {name}: tuning abandoned; the trials so "
+                      f"far are in {work}", stopped_by)
     if not metrics.is_file():
         # a node without rank 0 of a multi-node run: rank 0's node writes the metrics (a shared work dir sees them)
         return replace(trial, error=f"no metrics file {metrics} on this node (rank 0 writes it; give every node "
@@ -232,6 +238,9 @@ def tune_command(job: JobConfig, options: TuneOptions) -> int:
     except TrainingFailed as failure:
         print(f"heteroflow tune: {failure}", file=sys.stderr)
         return 1
+    except Stopped as stopped:  # a signal (the first one, or a second that killed a trial's workers)
+        print(f"heteroflow tune: {stopped}", file=sys.stderr)
+        return stopped.exit_status
     print(format_table(result))
     write_tuned_plan(job, result, options)
     load_plan_file(options.output, job)  # what we wrote must read back as a plan of this job

@@ -309,10 +309,12 @@ _many("checkpoint", "true", "--no-save-optim", "--no-save-rng", "--no-load-optim
       "--ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save", "--async-save", "--ckpt-fully-parallel-load",
       "--ckpt-assume-constant-structure", "--dist-ckpt-save-pre-mcore-014", "--dist-ckpt-optim-fully-reshardable",
       "--distrib-optim-fully-reshardable-mem-efficient", "--replication")
-_many("logging", "int", "--log-interval", "--timing-log-level", "--tensorboard-log-interval",
+_add(MAPPED, "int", "--tensorboard-log-interval", default=1)
+_add(MAPPED, "str", "--tensorboard-dir")
+_many("logging", "int", "--log-interval", "--timing-log-level",
       "--tensorboard-queue-size", "--logging-level", "--profile-step-start", "--profile-step-end",
       "--straggler-ctrlr-port", "--straggler-minmax-count")
-_many("logging", "str", "--tensorboard-dir", "--timing-log-option", "--wandb-project", "--wandb-entity",
+_many("logging", "str", "--timing-log-option", "--wandb-project", "--wandb-entity",
       "--wandb-exp-name", "--wandb-save-dir", "--one-logger-project", "--one-logger-run-name",
       "--app-tag-run-name", "--app-tag-run-version", "--config-logger-dir", "--memory-snapshot-path",
       "--result-rejected-tracker-filename")

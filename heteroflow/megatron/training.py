@@ -40,7 +40,31 @@ def map_train(ctx: Context, layout: MegatronLayout) -> dict:
     data = _data(ctx)
     if data is not None:
         train["data"] = data
+    train.update(_tensorboard(ctx))
     return train
+
+
+def _tensorboard(ctx: Context) -> dict:
+    """`--tensorboard-dir` and `--tensorboard-log-interval` -> `train.tensorboard_dir` / `tensorboard_log_interval`
+    (rank 0 writes the step's scalars there, `heteroflow.runtime.tensorboard`)."""
+    setting = ctx.args.setting("tensorboard_dir")
+    if setting is None:
+        ctx.mark("tensorboard_log_interval", "ignored", "no --tensorboard-dir: Megatron writes no TensorBoard logs")
+        return {}
+    if setting.unresolved:
+        for dest in ("tensorboard_dir", "tensorboard_log_interval"):
+            ctx.mark(dest, "ignored", f"the directory comes from {', '.join(setting.unresolved)}, which the script "
+                                      "does not set: train.tensorboard_dir left unset")
+        return {}
+    path = str(setting.value)
+    where = ", resolved against the job file's directory" if not path.startswith("/") else ""
+    ctx.mark("tensorboard_dir", "mapped", f"train.tensorboard_dir = {path}: loss, lr, grad norm, loss scale, "
+                                          f"throughput, per-stage times and memory from rank 0{where}")
+    interval = ctx.value("tensorboard_log_interval")
+    if interval is None:
+        return {"tensorboard_dir": path}
+    ctx.mark_or_default("tensorboard_log_interval", "mapped", f"train.tensorboard_log_interval = {int(interval)}")
+    return {"tensorboard_dir": path, "tensorboard_log_interval": int(interval)}
 
 
 def _precision(ctx: Context) -> str:

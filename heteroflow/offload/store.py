@@ -22,10 +22,11 @@ one thread at a time (the training thread, or autograd's thread during backward)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -362,7 +363,8 @@ class TieredStore:
             buf.owner = name
             self._staged[name] = buf
             self._count_in_flight()
-            buf.request = self.engine.read(buf.data[:layout.stored_bytes], self._files[name])
+            with self._swap_io():
+                buf.request = self.engine.read(buf.data[:layout.stored_bytes], self._files[name])
             buf.seq = next(self._seq)
             buf.verify = name if self._sums is not None else None
             self.stats.bytes_read += layout.stored_bytes
@@ -378,7 +380,8 @@ class TieredStore:
             buf.pending = self._sums.record(path, offset, buf.data[:size].numpy(), label=name)
         buf.owner, buf.target, buf.span = None, name, (offset, offset + size)
         self._count_in_flight()
-        buf.request = self.engine.write(buf.data[:size], path, offset)
+        with self._swap_io():
+            buf.request = self.engine.write(buf.data[:size], path, offset)
         buf.seq = next(self._seq)
         self.stats.bytes_written += size
 
@@ -398,7 +401,8 @@ class TieredStore:
         if buf.request is not None:
             request, buf.request, buf.target = buf.request, None, None
             name, buf.verify = buf.verify, None
-            request.wait()
+            with self._swap_io():
+                request.wait()
             if name is not None:
                 stored = self._layouts[name].stored_bytes
                 self._sums.verify(self._files[name], 0, buf.data[:stored].numpy(), label=name)
@@ -408,6 +412,21 @@ class TieredStore:
         if buf.event is not None:
             event, buf.event = buf.event, None
             event.synchronize()
+
+    @contextlib.contextmanager
+    def _swap_io(self) -> Iterator[None]:
+        """A swap file that is gone (its directory removed under the running job) is one clear `UserError`."""
+        try:
+            yield
+        except FileNotFoundError as error:
+            raise self._swap_lost(error) from None
+
+    def _swap_lost(self, error: FileNotFoundError) -> UserError:
+        where = self.swap.path if self.swap is not None else "the swap directory"
+        return UserError(f"swap file {error.filename or '?'} is gone: {where} was removed while the run used it "
+                         "(a temporary-files cleaner?), and the offloaded state in it with it. Put train.offload_dir "
+                         "(or $HETEROFLOW_SWAP_DIR) where nothing deletes files during a run, and continue from the "
+                         "newest checkpoint with --resume")
 
     def _acquire(self, nbytes: int) -> _Buffer:
         """A free staging buffer of at least `nbytes`; waits for the oldest write when all are busy."""

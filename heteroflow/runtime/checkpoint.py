@@ -73,6 +73,13 @@ class TrainCheckpoints:
         """Load the newest complete checkpoint when resuming; returns the first step to run."""
         if not self.requested:
             return 0
+        if restart_count() > 0 and self.rank == 0:  # the agent restarted every worker after a failure: say so
+            limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+            then = "from the newest checkpoint" if self.spec is not None else \
+                "from step 0 (the job has no train.checkpoint)"
+            print(f"heteroflow: restart {restart_count()} of {limit} (--max-restarts): a rank failed and every "
+                  f"worker was started again; continuing {then}; the failed attempt's logs are in the log directory",
+                  flush=True)
         if self.spec is None:
             self._note("resume asked for, but the job has no train.checkpoint: starting at step 0")
             return 0

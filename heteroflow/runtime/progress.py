@@ -119,3 +119,11 @@ def laggards(before: dict[int, Progress | None], after: dict[int, Progress | Non
         elif stopped:
             out.append(f"rank {rank} ({now.where}) is in step {now.step} but its heartbeat stopped: frozen or dead")
     return out
+
+
+def waiting_ranks(before: dict[int, Progress | None], after: dict[int, Progress | None], *, step: int) -> list[int]:
+    """The ranks in `step` (or past it) whose heartbeat went on between the two reads: alive, and waiting
+    with the reader for the ranks `laggards` names."""
+    return [rank for rank in sorted(after)
+            if (now := after[rank]) is not None and now.step >= step
+            and (then := before.get(rank)) is not None and then.beat != now.beat]

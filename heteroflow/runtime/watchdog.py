@@ -2,11 +2,15 @@
 indices, step, and where the rank is) and the rank exits, so the agent stops the run instead of it
 hanging. Collective timeouts alone say neither the stage nor the step, and a rank stuck outside a
 collective (a loop, a dead device) never hits one; so collectives get a little longer
-(`collective_timeout_s`) and stay the backstop. A rank that is waiting on its peers when the limit
-passes holds its report back a little, so the rank they wait for (stuck elsewhere) is reported first.
-A rank that cannot report (frozen by SIGSTOP, its process stopped) is named by the ranks waiting for it:
-with a `ProgressBoard`, each rank publishes its step and a heartbeat in the c10d store, and a waiting
-rank reads them when its limit passes and again before it reports (`progress.laggards`).
+(`collective_timeout_s`) and stay the backstop.
+
+Who is to blame comes from heartbeats, not from reading stacks (a rank blocked in a C++ `work.wait()`
+shows only the Python frame that called it): with a `ProgressBoard`, each rank publishes its step and a
+heartbeat in the c10d store, and every rank past its limit reads the board twice, a few heartbeats apart
+(`progress.laggards`). A rank behind the step, or whose heartbeat stopped (frozen by SIGSTOP, dead), is
+named, with the ranks that wait for it; only when every rank is in the step with a live heartbeat does a
+rank report itself, and one whose stack shows a wait holds that back a little so that the rank it waits
+for (stuck computing) is reported first.
 
 Also the fault-injection hook the failure tests use: `HETEROFLOW_INJECT_FAULT=kill@RANK:STEP` kills
 plan rank RANK with SIGKILL when it starts step STEP, `hang@RANK:STEP` makes it sleep there,
@@ -24,7 +28,7 @@ import threading
 import time
 import traceback
 
-from heteroflow.runtime.progress import ProgressBoard, laggards
+from heteroflow.runtime.progress import ProgressBoard, laggards, waiting_ranks
 
 ENV_INJECT_FAULT = "HETEROFLOW_INJECT_FAULT"
 FAULTS = ("kill", "hang", "freeze")
@@ -55,6 +59,7 @@ class StepWatchdog:
         self.progress = progress
         """Where every rank's step and heartbeat are (None: the report names this rank only)."""
         self._before: dict | str | None = None  # the first read of the board in a late step (or why it failed)
+        self._after: dict | str | None = None  # the latest read
         self._before_at = 0.0
         self._step: int | None = None
         self._started = 0.0
@@ -68,7 +73,7 @@ class StepWatchdog:
         """Step `step` starts now."""
         self._started = time.monotonic()
         self._step = step
-        self._before = None
+        self._before = self._after = None
         if self.progress is not None:
             self.progress.enter(step)
         inject_fault(self.rank, step)
@@ -88,7 +93,8 @@ class StepWatchdog:
         if held_up_by:
             them = "it" if len(held_up_by) == 1 else "them"
             return (f"heteroflow watchdog: {'; '.join(held_up_by)}; rank {self.rank} ({self.where}) has waited "
-                    f"for {them} in step {step} for {elapsed_s:.1f} s, {limit}; it is {self._doing()}{end}")
+                    f"for {them} in step {step} for {elapsed_s:.1f} s, {limit}; it is {self._doing(waiting=True)}"
+                    f"{self._also_waiting(step)}{end}")
         return (f"heteroflow watchdog: rank {self.rank} ({self.where}) has been in step {step} for "
                 f"{elapsed_s:.1f} s, {limit}; it is {self._doing()}{end}")
 
@@ -109,7 +115,7 @@ class StepWatchdog:
         could not be read."""
         if self.progress is None:
             return [], ""
-        after = self._read_board()
+        after = self._after = self._read_board()
         before = self._before if self._before is not None else after
         for failed in (after, before):
             if isinstance(failed, str):
@@ -121,7 +127,8 @@ class StepWatchdog:
         return traceback.extract_stack(frame) if frame is not None else []
 
     def _waiting(self) -> bool:
-        """Whether the main thread is in a collective or point-to-point wait (on other ranks)."""
+        """Whether the main thread's Python stack shows a collective or point-to-point wait (a wait inside C++
+        called from a heteroflow frame does not show: the heartbeats are what names ranks)."""
         stack = self._stack()
         if not stack:
             return False
@@ -129,16 +136,27 @@ class StepWatchdog:
         return ("torch/distributed" in innermost.filename.replace(os.sep, "/")
                 or any(w in innermost.name for w in ("wait", "recv", "all_reduce", "barrier")))
 
-    def _doing(self) -> str:
-        """Where the main thread is: its innermost frame, then the heteroflow frames that led there."""
+    def _doing(self, *, waiting: bool = False) -> str:
+        """Where the main thread is: its innermost frame, then the heteroflow frames that led there; `waiting`:
+        the heartbeats show it waits for other ranks, whatever its stack shows."""
         stack = self._stack()
         if not stack:
             return "(main thread not found)"
         innermost, callers = stack[-1], stack[:-1]
         ours = [f for f in callers if "heteroflow" in f.filename.replace(os.sep, "/")]
         path = "".join(f" <- {_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(ours[-4:]))
-        kind = "waiting for other ranks" if self._waiting() else "computing or stuck"
+        kind = "waiting for other ranks" if waiting or self._waiting() else "computing or stuck"
         return f"{kind} at {_short(innermost.filename)}:{innermost.lineno} {innermost.name}{path}"
+
+    def _also_waiting(self, step: int) -> str:
+        """The other ranks in `step` with a live heartbeat (waiting too), as a clause, or ''."""
+        if not isinstance(self._before, dict) or not isinstance(self._after, dict):
+            return ""
+        ranks = waiting_ranks(self._before, self._after, step=step)
+        if not ranks:
+            return ""
+        them = f"ranks {', '.join(map(str, ranks))} are" if len(ranks) > 1 else f"rank {ranks[0]} is"
+        return f"; {them} in step {step} too, waiting"
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s):
@@ -148,13 +166,14 @@ class StepWatchdog:
             elapsed = time.monotonic() - self._started
             if elapsed <= self.limit_s or self._step != step:
                 continue
-            waiting = self._waiting()
-            if waiting and self.progress is not None and self._before is None:
-                # heartbeats that stop between this read and the report's: frozen ranks
+            if self.progress is not None and self._before is None:
+                # heartbeats that stop between this read and the next: frozen ranks
                 self._before, self._before_at = self._read_board(), time.monotonic()
-            if waiting and (elapsed <= self.limit_s + grace_s(self.limit_s) / 2 or not self._beats_seen()):
-                continue  # let the rank this one waits for report first
-            held_up_by, note = self._held_up_by(step) if waiting else ([], "")
+            if not self._beats_seen():
+                continue
+            held_up_by, note = self._held_up_by(step)
+            if not held_up_by and self._waiting() and elapsed <= self.limit_s + grace_s(self.limit_s) / 2:
+                continue  # every heartbeat is alive: let the rank this one waits for (stuck computing) report first
             self._fail(self.report(step, elapsed, held_up_by, note))
 
     def _fail(self, report: str) -> None:

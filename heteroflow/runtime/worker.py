@@ -20,6 +20,8 @@ from heteroflow.runtime.nodes import assigned_rank, join_node_world, node_view, 
 from heteroflow.runtime.progress import world_progress_board
 from heteroflow.runtime.stage_table import stage_table
 from heteroflow.runtime.stage_times import gather_step_figures, rank_figures, stage_records
+from heteroflow.runtime.stop import StopRequest, agreed_signal
+from heteroflow.runtime.tensorboard import TensorBoardWriter
 from heteroflow.runtime.user_errors import TrainingDiverged, clear_user_error, record_user_error
 from heteroflow.runtime.watchdog import StepWatchdog, collective_timeout_s
 
@@ -39,6 +41,8 @@ class WorkerArgs:
     data_dir: str
     """Where the built-in corpus token file is written when the job names no data."""
     metrics_path: str | None = None
+    tensorboard_dir: str | None = None
+    """Where rank 0 writes TensorBoard scalars (`runtime.tensorboard`), or None."""
     predicted_step_time_s: float | None = None
     predicted_stages: tuple[dict[str, float], ...] | None = None
     """Per stage, the cost model's seconds per step by part and `step_s` (`stagemap.breakdown`), or None."""
@@ -61,6 +65,11 @@ class WorkerResult:
     """The step `losses[0]` belongs to (the checkpoint's step when resumed)."""
     offload: dict | None = None
     """This rank's offload report (device budget limit and peak, swap directory), if its stage offloads."""
+    stopped_by: int = 0
+    """The signal (SIGTERM, SIGINT) that stopped the run before its last step, the same on every rank; 0: ran to
+    the end."""
+    saved: str | None = None
+    """The checkpoint written when the run stopped on a signal (None without `train.checkpoint`)."""
 
 
 def run_worker(args: WorkerArgs) -> WorkerResult:
@@ -69,14 +78,17 @@ def run_worker(args: WorkerArgs) -> WorkerResult:
     rank = assigned_rank()
     rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
     clear_user_error(rank)
+    stop = StopRequest.install()  # from the start: a signal during start-up stops the run after its first step
     try:
-        return _run_worker(args)
+        return _run_worker(args, stop)
     except UserError as error:
         record_user_error(error, rank)
         raise
+    finally:
+        stop.close()
 
 
-def _run_worker(args: WorkerArgs) -> WorkerResult:
+def _run_worker(args: WorkerArgs, stop: StopRequest) -> WorkerResult:
     from heteroflow.backends import RankMap, build_process_groups, init_world
     from heteroflow.devices.facade import Device
     from heteroflow.runtime.stage import build_stage_runtime
@@ -105,7 +117,7 @@ def _run_worker(args: WorkerArgs) -> WorkerResult:
     if rt.offload_report() is not None and info.dp == 0 and info.tp == 0:  # once per stage: which paths run
         print(f"heteroflow: stage {info.stage} {rt.optimizer.describe()}", flush=True)
     try:  # an offloaded stage's swap files go when this rank ends, also when it fails
-        first_step, losses = _train_steps(args, rt, rank)
+        first_step, losses, stopped_by, saved = _train_steps(args, rt, rank, stop)
         state = None
         if args.return_state:
             from heteroflow.models.shard import shard_of
@@ -123,11 +135,14 @@ def _run_worker(args: WorkerArgs) -> WorkerResult:
         # keep waking up, which slowed every later run in the same processes.
         for group in groups.member_groups() + ([rt.tied_group] if rt.tied_group is not None else []):
             dist.destroy_process_group(group)
-    return WorkerResult(losses=tuple(losses), state=state, first_step=first_step, offload=offload)
+    return WorkerResult(losses=tuple(losses), state=state, first_step=first_step, offload=offload,
+                        stopped_by=stopped_by, saved=saved)
 
 
-def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
-    """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step and the losses."""
+def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[int, list[float], int, str | None]:
+    """Resume if asked, run steps [first step, args.steps), save checkpoints; returns the first step, the losses,
+    and when a signal stopped the run early (`runtime.stop`), the signal and the checkpoint written then."""
+    from heteroflow.checkpoint.files import step_dir_name
     from heteroflow.data.builtin import open_train_data
     from heteroflow.data.tokens import micro_batch_indices
     from heteroflow.devices.timing import PartTimer
@@ -155,8 +170,11 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
     header = header_record(job=job.to_dict(), plan=plan.to_dict(), emulate=args.emulate,
                            predicted_step_time_s=args.predicted_step_time_s)
     writer = MetricsWriter(args.metrics_path, header=header) if rank == 0 else None
+    board = TensorBoardWriter(args.tensorboard_dir, interval=train.tensorboard_log_interval) \
+        if rank == 0 and args.tensorboard_dir else None
     progress = ProgressBar(args.steps, first_step=first_step) if rank == 0 and args.show_progress else None
     losses: list[float] = []
+    stopped_by, saved = 0, None
     records: list[dict] = []  # rank 0: what it wrote, for the stage table at the end
     timer = PartTimer(device.new_event)
     tp_group = groups.tp if rt.stage.layout.tp > 1 else None
@@ -196,8 +214,10 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
             # One world all-reduce carries both the squared-norm shares and the loss: an inf or nan in any
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
             aux_share = take_aux_losses(rt.model)
+            # ... and the ranks asked to stop (a signal): all see the same count, so all stop after this step
             totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(()),
-                                  aux_share if counts_aux else torch.zeros(())])
+                                  aux_share if counts_aux else torch.zeros(()),
+                                  torch.ones(()) if stop.requested() else torch.zeros(())])
             with timer.part("sync"):
                 dist.all_reduce(totals, group=groups.world)
             grad_norm = math.sqrt(float(totals[0])) / scale  # of the unscaled gradients
@@ -237,18 +257,28 @@ def _train_steps(args: WorkerArgs, rt, rank: int) -> tuple[int, list[float]]:
                                     stages=stage_records(measured, args.predicted_stages, device_types),
                                     memory=memory_record(job, plan, memory_measured, stage_of_rank))
                 writer.write(record)
+                if board is not None:
+                    board.write(record)
                 records.append({"step": step, "stages": record.stages})
                 if progress is not None:
                     progress.update(record)
             checkpoints.after_step(step)
+            if float(totals[3]) > 0 and step + 1 < args.steps:
+                stopped_by = agreed_signal(stop.requested(), groups.world)
+                if checkpoints.spec is not None:  # whatever the interval (after_step may have saved it already)
+                    saved = str(checkpoints.save(step + 1) if checkpoints.last_saved != step + 1
+                                else checkpoints.root / step_dir_name(step + 1))
+                break
     finally:
         watchdog.stop()
         if writer is not None:
             writer.close()
+        if board is not None:
+            board.close()
     table = stage_table(records) if progress is not None else None
     if table is not None:
         print(table, flush=True)
-    return first_step, losses
+    return first_step, losses, stopped_by, saved
 
 
 def _divergence_message(step: int, first_step: int, *, loss: float, grad_norm: float) -> str:

@@ -25,7 +25,7 @@ from typing import Iterable
 
 from heteroflow.config.reader import Problems, Section
 from heteroflow.config.yamlfile import dump_yaml, read_yaml
-from heteroflow.errors import did_you_mean
+from heteroflow.config.chip_names import device_type_hint
 from heteroflow.stagemap.hardware import DeviceModel
 
 CALIBRATION_VERSION = 1
@@ -147,7 +147,7 @@ def load_calibration(path: str | os.PathLike, *, device_types: Iterable[str]) ->
             if entry is None:
                 continue
             if str(name) not in known:
-                problems.add(entry.path, f"unknown device type {str(name)!r}" + did_you_mean(str(name), known))
+                problems.add(entry.path, f"unknown device type {str(name)!r}" + device_type_hint(str(name), known))
             values = {f: entry.number(f, 1.0, minimum=FACTOR_LIMIT[0], maximum=FACTOR_LIMIT[1]) for f in FACTORS}
             entry.finish()
             if all(v is not None and math.isfinite(v) for v in values.values()):

@@ -89,6 +89,8 @@ def test_killed_rank_is_restarted_and_the_run_completes(tmp_path, job):
     assert "injected fault: kill rank 3 at step 1" in "".join(
         p.read_text() for p in (tmp_path / "logs" / "a").glob("*/attempt_0/*/stderr.log"))
     assert list((tmp_path / "logs" / "a").glob("*/attempt_1")), "the agent did not restart the workers"
+    assert ("heteroflow: restart 1 of 1 (--max-restarts): a rank failed and every worker was started again; "
+            "continuing from step 0 (the job has no train.checkpoint)") in nodes[0].output(), outputs(nodes)
     records = metrics_losses(metrics)
     # Without a checkpoint the restart trains from step 0 again: step 0 is logged by both attempts.
     assert [s for s, _ in records][:1] == [0] and [s for s, _ in records][-3:] == [0, 1, 2], records

@@ -135,3 +135,22 @@ def test_swap_checksums_on_their_own(tmp_path):
     with pytest.raises(StateCorrupted, match=r"block 1 \(bytes 4096-8192\)"):
         sums.verify(path, 0, data)
     assert sums.span(path, 5120, 7168) == (4096, 8192) and sums.span(path, 9000, 10240) == (8192, 10240)
+
+
+@pytest.mark.parametrize("read", ["host", "write_back-then-host"])
+def test_a_swap_directory_removed_mid_run_is_one_clear_error(swap, aio_kind, read):
+    import shutil
+    with TieredStore(device=Device.cpu(), swap=swap) as store:
+        store.add("state", [ramp()], "ssd")
+        if read == "write_back-then-host":
+            store.host("state").add_(1.0)
+            store.write_back("state")
+        else:
+            store.release("state")
+        store.wait_all()
+        shutil.rmtree(swap.path)  # a temporary-files cleaner, mid-run
+        with pytest.raises(UserError) as info:
+            store.host("state")
+    message = str(info.value)
+    assert message.startswith(f"swap file {swap.path}/") and f"is gone: {swap.path} was removed while the run used it" \
+        in message and "--resume" in message, message

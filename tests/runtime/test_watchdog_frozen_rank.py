@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from heteroflow.runtime.progress import Progress, laggards
+from heteroflow.runtime.progress import Progress, laggards, waiting_ranks
 from heteroflow.runtime.watchdog import StepWatchdog
 from heteroflow.testing import MultiprocError, run_ranks
 
@@ -72,6 +72,8 @@ def test_laggards_from_two_reads_of_the_board():
         "rank 6 (stage 6) did not reach step 5 (it has not started a step)",
     ]
     assert laggards(after, after | {3: Progress(step=5, beat=6, where="stage 3")}, step=5)[0].startswith("rank 1 ")
+    # alive and in the step: waiting with the reader (rank 2's heartbeat stopped, 5 and 6 are behind)
+    assert waiting_ranks(before, after, step=5) == [3]
 
 
 class _SilentStore:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from heteroflow.megatron.shell import arith
 from heteroflow.megatron.shell.conditions import Truth, evaluate_test
 from heteroflow.megatron.shell.errors import ShellSyntaxError
 from heteroflow.megatron.shell.expand import Env, Field
@@ -73,7 +74,7 @@ def _b_set(interp: Shell, args: list[Field], node: Simple) -> Truth:
 
 
 def _b_shift(interp: Shell, args: list[Field], node: Simple) -> Truth:
-    n = int(args[0].text) if args and args[0].known and args[0].text.isdigit() else 1
+    n = _count(args[0]) if args and args[0].known else 1
     interp.env.positionals = interp.env.positionals[n:]
     return True
 
@@ -119,7 +120,7 @@ def _b_source(interp: Shell, args: list[Field], node: Simple) -> Truth:
 def _b_exit(interp: Shell, args: list[Field], node: Simple) -> Truth:
     status = interp.env.last_status
     if args:
-        status = int(args[0].text) if args[0].known and args[0].text.lstrip("-").isdigit() else None
+        status = arith.integer(args[0].text) if args[0].known else None
     raise Exit(node.line, status)
 
 
@@ -136,11 +137,17 @@ def _b_return(interp: Shell, args: list[Field], node: Simple) -> Truth:
 
 
 def _b_break(interp: Shell, args: list[Field], node: Simple) -> Truth:
-    raise LoopControl("break", int(args[0].text) if args and args[0].text.isdigit() else 1)
+    raise LoopControl("break", _count(args[0]) if args else 1)
 
 
 def _b_continue(interp: Shell, args: list[Field], node: Simple) -> Truth:
-    raise LoopControl("continue", int(args[0].text) if args and args[0].text.isdigit() else 1)
+    raise LoopControl("continue", _count(args[0]) if args else 1)
+
+
+def _count(arg: Field) -> int:
+    """`shift N`, `break N`: a count of at least 0 (1 when not a number)."""
+    value = arith.integer(arg.text)
+    return value if value is not None and value >= 0 else 1
 
 
 def _b_read(interp: Shell, args: list[Field], node: Simple) -> Truth:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import re
 
+from heteroflow.megatron.shell import arith
 from heteroflow.megatron.shell.expand import Env, Field, expand_scalar
 from heteroflow.megatron.shell.lexer import Lit
 from heteroflow.megatron.shell.parser import Word
@@ -45,9 +46,7 @@ def _to_int(field: Field, env: Env, arithmetic: bool = False) -> int | None:
     text = field.assumed.strip()
     if arithmetic and text == "":
         return 0  # `[[ $X -eq 0 ]]` evaluates its operands arithmetically: empty (unset X) is 0
-    if re.fullmatch(r"[-+]?\d+", text):
-        return int(text)
-    return None
+    return arith.integer(text)
 
 
 def _binary(op: str, left: Field, right: Field, env: Env, *, pattern: bool = False,

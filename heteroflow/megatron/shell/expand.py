@@ -19,6 +19,8 @@ from heteroflow.megatron.shell.nodes import Simple
 from heteroflow.megatron.shell.parser import parse_script
 
 _BLANKS = re.compile(r"[ \t\n]+")
+MAX_WORD_CHARS = 131_072
+"""The longest word or variable value kept: Linux's MAX_ARG_STRLEN, the longest argument a program takes."""
 
 
 _OPEN, _CLOSE, _BLANK, _UNSET = "\ue000", "\ue001", "\ue002", "\ue003"
@@ -89,6 +91,8 @@ class Env:
     unset_read: list[str] = field(default_factory=list)
     """Unset names expanded since the interpreter last cleared it (to explain decided tests)."""
     line: int = 0
+    arith_depth: int = 0
+    """How many variables deep the arithmetic being evaluated has looked (`int_value`)."""
 
     def note(self, message: str) -> None:
         """Record a note once."""
@@ -114,6 +118,7 @@ class Env:
 
     def set_scalar(self, name: str, value: Field) -> None:
         """`NAME=value` (on an array: sets element 0, as bash does)."""
+        check_size(value.raw, f"the value of {name}")
         var = self.vars.get(name)
         if var is not None and var.is_array:
             var.fields[0:1] = [value]
@@ -121,7 +126,18 @@ class Env:
             self.vars[name] = Var([value])
 
     def int_value(self, name: str) -> int | None:
-        """A variable's value as an arithmetic operand (None when unknown)."""
+        """A variable's value as an arithmetic operand (None when unknown); a value that names another
+        variable, or holds an expression, is evaluated in turn, at most `arith.MAX_DEPTH` deep."""
+        self.arith_depth += 1
+        try:
+            if self.arith_depth > arith.MAX_DEPTH:
+                raise arith.ArithError(f"variables refer to each other in arithmetic more than {arith.MAX_DEPTH} "
+                                       f"deep (at {name}; a loop such as A=B B=A?)")
+            return self._int_value(name)
+        finally:
+            self.arith_depth -= 1
+
+    def _int_value(self, name: str) -> int | None:
         var = self.get(name)
         if var is None:
             self.missing.setdefault(name, self.line)
@@ -132,8 +148,8 @@ class Env:
         text = value.raw.strip()
         if not text:
             return 0
-        if re.fullmatch(r"-?\d+", text):
-            return int(text)
+        if (number := arith.integer(text)) is not None:
+            return number
         if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text) and text != name:
             return self.int_value(text)
         return arith.evaluate(text, self.int_value, None)
@@ -165,15 +181,26 @@ def expand_words(words, env: Env) -> list[Field]:
     return out
 
 
+def check_size(text: str, what: str) -> None:
+    """A `ShellSyntaxError` when `text` is longer than `MAX_WORD_CHARS`."""
+    if len(text) > MAX_WORD_CHARS:
+        raise ShellSyntaxError(f"{what} grows to {len(text):,} characters; at most {MAX_WORD_CHARS:,} are kept (no "
+                               "program could take a longer argument; a variable doubling in a loop?)")
+
+
 def expand_word(parts, env: Env) -> list[Field]:
     """Fields of one word after expansion and word splitting."""
-    return _split(_pieces(parts, env))
+    pieces = _pieces(parts, env)
+    check_size("".join(p.text for p in pieces), "an expanded word" + (f" at line {env.line}" if env.line else ""))
+    return _split(pieces)
 
 
 def expand_scalar(parts, env: Env) -> Field:
     """One word expanded without splitting (assignment values, `case` words, `[[` operands)."""
     pieces = _pieces(parts, env)
-    return Field("".join(p.text if not p.new_field else " " + p.text for p in pieces))
+    text = "".join(p.text if not p.new_field else " " + p.text for p in pieces)
+    check_size(text, "an expanded word" + (f" at line {env.line}" if env.line else ""))
+    return Field(text)
 
 
 def _pieces(parts, env: Env) -> list[_Piece]:

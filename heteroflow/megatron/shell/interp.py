@@ -94,11 +94,12 @@ class Interpreter:
         """Inside `eval` / `bash -c` strings: the line of the outer command, for reports."""
 
     def run_script(self, text: str) -> ScriptRun:
-        """Interpret a whole script."""
-        tree, notes = parse_script(text)
-        self.env.notes.extend(notes)
+        """Interpret a whole script. Its errors name the line; one nested deeper than Python's stack allows
+        (parentheses, groups, substitutions thousands deep) is a `ShellSyntaxError` too."""
         exited, status, unset = None, 0, ()
         try:
+            tree, notes = parse_script(text)
+            self.env.notes.extend(notes)
             self.run(tree)
         except Exit as stop:
             exited, status, unset = stop.line, stop.status, stop.unset
@@ -106,6 +107,14 @@ class Interpreter:
             pass
         except LoopControl:
             pass
+        except RecursionError:
+            where = f"line {self.env.line}: " if self.env.line else ""
+            raise ShellSyntaxError(f"{where}the script nests too deeply to read (thousands of levels of "
+                                   "parentheses, groups or substitutions)") from None
+        except ShellSyntaxError as error:
+            if self.env.line and not str(error).startswith("line "):
+                raise ShellSyntaxError(f"line {self.env.line}: {error}") from None
+            raise
         return ScriptRun(tuple(self.commands), tuple(self.env.notes), dict(self.env.missing), dict(self.env.vars),
                          exited, status, unset, tuple(self.sourced))
 
