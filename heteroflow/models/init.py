@@ -64,8 +64,9 @@ def init_weights(model: nn.Module, *, seed: int, std: float = DEFAULT_STD, scale
         param.copy_(shard.take(full))
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate (uninitialized) storage on `device` for a model built under `torch.device("meta")`.
+def materialize(model: nn.Module, device: torch.device | str, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """Allocate (uninitialized) storage on `device` for a model built under `torch.device("meta")`; `dtype`
+    changes the parameters' (not the buffers') dtype on the way.
 
     Unlike `Module.to_empty`, which replaces each Parameter, this keeps every `ParamShard` record and
     keeps tied parameters tied (the same Parameter in two modules stays one Parameter).
@@ -76,7 +77,8 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
             if param is None:
                 continue
             if id(param) not in new:
-                fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                fresh = nn.Parameter(torch.empty_like(param, device=device, dtype=dtype),
+                                     requires_grad=param.requires_grad)
                 if hasattr(param, _ATTR):
                     setattr(fresh, _ATTR, getattr(param, _ATTR))
                 new[id(param)] = fresh
