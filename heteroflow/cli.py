@@ -108,6 +108,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.replan_on_failure and args.node is None:
         raise UserError("--replan-on-failure applies to multi-node runs (--node NAME --rdzv HOST:PORT)")
     job = load_job(args.job)
+    if args.rank and not args.dry_run:
+        raise UserError("--rank applies to dry runs: add --dry-run")
+    if args.dry_run:
+        from heteroflow.launcher.dry_run import dry_run_job
+        dry_run_job(job, plan_path=args.plan, ranks=args.rank)
+        return 0
     check_output_paths(Output("--metrics", args.metrics, FILE_IN_NEW_DIR), Output("--log-dir", args.log_dir, DIR),
                        Output("--tensorboard-dir", args.tensorboard_dir, DIR), *job_outputs(job))
     options = TrainOptions(plan_path=args.plan, emulate=args.emulate, steps=args.steps, metrics_path=args.metrics,
@@ -277,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT every rank finishes its step and the run saves a checkpoint; the ranks "
                         "are killed if that takes longer than S seconds (default 25; set it below the scheduler's "
                         "window, e.g. SLURM --signal=TERM@T)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="without the cluster: build each chosen rank's groups, stage, shard, optimizer and offload "
+                        "tiers in a fake world of the plan's size (no storage, nothing computed) and report them "
+                        "with the planner's memory figures")
+    p.add_argument("--rank", type=int, action="append", metavar="R",
+                   help="with --dry-run: a rank to dry-run (repeatable; default: the first, a middle and the last)")
 
     p = add("import-megatron", cmd_import_megatron,
             "turn a Megatron-LM launch script, --yaml-cfg file or NeMo model YAML into a job (never runs it)")

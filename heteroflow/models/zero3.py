@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -66,7 +67,8 @@ def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: 
     steps, which pinned memory does not allow). Parameters keep their names and `ParamShard` records.
     """
     shards = {name: shard_of(param) for name, param in model.named_parameters()}
-    mesh = DeviceMesh.from_group(dp_group, device_type)
+    with unset_fake_temporarily():  # a dry run builds under FakeTensorMode; the mesh's rank table must be real
+        mesh = DeviceMesh.from_group(dp_group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     units: list[nn.Module] = list(blocks)

@@ -180,7 +180,10 @@ class TensorLayout:
 
     def coords(self, rank: int) -> dict[str, int]:
         """The rank's index along every axis."""
-        index = self.ranks.index(rank)
+        return self._coords_at(self.ranks.index(rank))
+
+    def _coords_at(self, index: int) -> dict[str, int]:
+        """`coords` of the rank at position `index` of `ranks`."""
         out: dict[str, int] = {}
         for axis in reversed(self.axes):
             index, out[axis.name] = divmod(index, axis.size)
@@ -190,7 +193,11 @@ class TensorLayout:
         """The boxes `rank` holds, in the order its local tensor stores them (one, without balanced axes)."""
         if rank not in self.ranks:
             raise KeyError(f"rank {rank} is not in this layout (ranks {list(self.ranks)})")
-        coords = self.coords(rank)
+        return self._parts_at(self.ranks.index(rank))
+
+    def _parts_at(self, index: int) -> tuple[Box, ...]:
+        """`parts` of the rank at position `index` of `ranks`."""
+        coords = self._coords_at(index)
         per_dim = [_dim_intervals(size, self.axes_splitting(dim), coords) for dim, size in enumerate(self.shape)]
         multi = [dim for dim, intervals in enumerate(per_dim) if len(intervals) > 1]
         if not multi:
@@ -236,8 +243,8 @@ class TensorLayout:
         Shares are listed in the mesh order of their first holder; together they tile the tensor.
         """
         holders: dict[tuple[Box, ...], list[int]] = {}
-        for rank in self.ranks:
-            holders.setdefault(self.parts(rank), []).append(rank)
+        for index, rank in enumerate(self.ranks):  # by position: a lookup per rank made large stages quadratic
+            holders.setdefault(self._parts_at(index), []).append(rank)
         return tuple((parts, tuple(ranks)) for parts, ranks in holders.items())
 
     def blocks(self) -> tuple[tuple[Box, tuple[int, ...]], ...]:

@@ -7,6 +7,8 @@ The launcher checks the same swap root for room before any worker starts (`heter
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from heteroflow.backends import ProcessGroups
 from heteroflow.config import JobConfig, StageSpec
 from heteroflow.devices.facade import Device
@@ -26,27 +28,32 @@ def swap_root(job: JobConfig) -> str:
     return default_swap_root(job.resolve_path(job.train.offload_dir) if job.train.offload_dir else None)
 
 
-def stage_policy(job: JobConfig, stage: StageSpec) -> OffloadPolicy:
-    """The offload policy of every rank of `stage`: its tiers, its device budget and the swap root."""
-    return OffloadPolicy.from_stage(stage, cluster=job.cluster, swap_root=swap_root(job))
+def stage_policy(job: JobConfig, stage: StageSpec, *, dry_run: bool = False) -> OffloadPolicy:
+    """The offload policy of every rank of `stage`: its tiers, its device budget and the swap root. A dry run
+    (tensors without storage, nothing to write) lays an SSD tier out on the host instead: the same chunks and
+    bytes, no swap files."""
+    policy = OffloadPolicy.from_stage(stage, cluster=job.cluster, swap_root=swap_root(job))
+    if not dry_run:
+        return policy
+    return replace(policy, **{tier: "cpu" for tier in ("optimizer", "params") if getattr(policy, tier) == "ssd"})
 
 
 def offloaded_optimizer(model: StageModel, *, job: JobConfig, stage: StageSpec, groups: ProcessGroups,
-                        device: Device) -> OffloadedAdamW:
+                        device: Device, dry_run: bool = False) -> OffloadedAdamW:
     """The optimizer of this rank of a ZeRO 0-2 stage with offloaded optimizer state or parameters."""
     t = job.train
-    return OffloadedAdamW(model, policy=stage_policy(job, stage), device=device, dp_group=groups.dp,
+    return OffloadedAdamW(model, policy=stage_policy(job, stage, dry_run=dry_run), device=device, dp_group=groups.dp,
                           tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           weight_decay=t.weight_decay, checkpoint_dirs=checkpoint_dirs(job),
                           swap_label=swap_label(groups), zero=stage.layout.zero)
 
 
 def zero3_offloaded_optimizer(model: StageModel, units: list, *, job: JobConfig, stage: StageSpec,
-                              groups: ProcessGroups, device: Device) -> Zero3OffloadAdamW:
+                              groups: ProcessGroups, device: Device, dry_run: bool = False) -> Zero3OffloadAdamW:
     """The optimizer of this rank of a ZeRO-3 stage with offloaded optimizer state or parameters (ZeRO-Infinity);
     `units` as `shard_stage_zero3` returned them."""
     t = job.train
-    return Zero3OffloadAdamW(model, units=units, policy=stage_policy(job, stage), device=device,
+    return Zero3OffloadAdamW(model, units=units, policy=stage_policy(job, stage, dry_run=dry_run), device=device,
                              dp_group=groups.replicas, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
                              eps=t.adam_eps, weight_decay=t.weight_decay, checkpoint_dirs=checkpoint_dirs(job),
                              swap_label=swap_label(groups))

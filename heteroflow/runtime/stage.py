@@ -24,7 +24,8 @@ from heteroflow.optim import StageOptimizer
 from heteroflow.runtime.memory import SavedActivationMeter
 from heteroflow.runtime.offload_setup import offloaded_optimizer, zero3_offloaded_optimizer
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The torch dtype of each precision a stage computes (and sends its activations) in."""
 
 
 @dataclass(kw_only=True)
@@ -70,12 +71,12 @@ class StageRuntime:
     def activation_dtype(self) -> torch.dtype:
         """The dtype this stage sends across its boundaries (activations forward, gradients backward) and
         casts what it receives to: its own precision's."""
-        return _DTYPES[self.precision]
+        return DTYPES[self.precision]
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """Low-precision compute dtype under autocast, or None for fp32."""
-        return None if self.precision == "fp32" else _DTYPES[self.precision]
+        return None if self.precision == "fp32" else DTYPES[self.precision]
 
     def offload_report(self) -> dict | None:
         """Device budget (limit, peak) and swap directory of a stage with offloaded state; None otherwise."""
@@ -123,10 +124,12 @@ class StageRuntime:
 
 
 def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, groups: ProcessGroups, *,
-                        device: Device, init_from: str | None = None) -> StageRuntime:
+                        device: Device, init_from: str | None = None, meta: bool = False) -> StageRuntime:
     """Build the model shard (seed-only init, then the plan's layout), optimizer and boundaries.
 
-    Must run on every rank at the same point: it creates the tied-embedding group, a collective call.
+    `meta`: a dry run under torch's `FakeTensorMode` (tensors with shapes, dtypes and devices but no storage):
+    no weights drawn or read, SSD tiers laid out on the host (`offload_setup.stage_policy`). Must run on every rank at the same point: it creates the tied-embedding
+    group, a collective call.
     """
     info = rank_map.info(groups.rank)
     k = info.stage
@@ -141,34 +144,37 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
     token_group = groups.stage if stage.layout.sp else groups.replicas
     parallelize_stage(model, layout=stage.layout, tp_group=groups.tp, cp_group=groups.cp, ep_group=groups.ep,
                       token_group=token_group if dist.get_world_size(token_group) > 1 else None)
-    # Offloaded blocks go to their tier from the host: the device never holds the whole stage.
-    materialize(model, "cpu" if stage.layout.offload.params != "device" else device.torch_device)
-    if init_from is not None:
-        from heteroflow.models.hf_checkpoint import load_hf_weights
-        load_hf_weights(model, init_from, job_spec=job.model)
-    else:
-        init_weights(model, seed=job.train.seed)
     t = job.train
     precision = stage.layout.compute_precision(t.precision)
-    dtype = _DTYPES[precision]
+    dtype = DTYPES[precision]
     zero3_offload = stage.layout.zero == 3 and offloads_state(stage)
-    if stage.layout.zero == 3 and not zero3_offload:
+    fsdp_master = stage.layout.zero == 3 and not zero3_offload  # FSDP2 keeps fp32 shards as the master weights
+    # Offloaded blocks go to their tier from the host: the device never holds the whole stage. A dry run (`meta`,
+    # tensors without storage) makes them in the compute dtype at once: casting them would swap fake tensors.
+    materialize(model, "cpu" if stage.layout.offload.params != "device" else device.torch_device,
+                dtype=dtype if meta and not fsdp_master else None)
+    if init_from is not None and not meta:
+        from heteroflow.models.hf_checkpoint import load_hf_weights
+        load_hf_weights(model, init_from, job_spec=job.model)
+    elif not meta:  # a dry run has no storage to draw into
+        init_weights(model, seed=job.train.seed)
+    if fsdp_master:
         # FSDP2 keeps the fp32 shards as the master weights and gathers them in the stage's precision. It shards
         # over cp x dp (as Megatron's distributed optimizer under cp): its reduce-scatter sums over both at once.
         shard_stage_zero3(model, dp_group=groups.replicas, device_type=device.torch_device.type,
                           param_dtype=None if precision == "fp32" else dtype)
-    else:
+    elif not meta:
         # The parameters live in the stage's compute dtype (`heteroflow.layout.state_bytes`): the optimizer's fp32
         # master copy starts from these rounded values, as Megatron's does.
         model.to(dtype)
     if zero3_offload:  # ZeRO-Infinity: shards in the stage's dtype, the fp32 master in the optimizer tier
         units = shard_stage_zero3(model, dp_group=groups.replicas, device_type=device.torch_device.type,
                                   param_dtype=None, shards_on_host=stage.layout.offload.params != "device",
-                                  swapped=stage.layout.offload.params == "ssd")
+                                  swapped=stage.layout.offload.params == "ssd" and not meta)
         optimizer: StageOptimizer = zero3_offloaded_optimizer(model, units, job=job, stage=stage, groups=groups,
-                                                              device=device)
+                                                              device=device, dry_run=meta)
     elif offloads_state(stage):
-        optimizer = offloaded_optimizer(model, job=job, stage=stage, groups=groups, device=device)
+        optimizer = offloaded_optimizer(model, job=job, stage=stage, groups=groups, device=device, dry_run=meta)
     elif stage.layout.zero == 3:
         optimizer = Zero3AdamW(model, dp_group=groups.replicas, tp_group=groups.tp, betas=(t.adam_beta1, t.adam_beta2),
                                eps=t.adam_eps, weight_decay=t.weight_decay)
@@ -185,7 +191,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         shape = (plan.micro_batch_size, job.model.seq_length, job.model.hidden_size)
         # Each side sends in its own precision, the receiver casts to its own: activations cross a boundary
         # in the earlier stage's dtype, gradients in the later one's.
-        dtypes = [_DTYPES[s.layout.compute_precision(t.precision)] for s in plan.stages]
+        dtypes = [DTYPES[s.layout.compute_precision(t.precision)] for s in plan.stages]
         prev = nxt = None
         if k > 0:
             prev = StageBoundary(groups, k - 1, shape=shape, dtype=dtypes[k - 1], grad_dtype=dtypes[k],
@@ -198,7 +204,7 @@ def build_stage_runtime(job: JobConfig, plan: PlanSpec, rank_map: RankMap, group
         if job.model.tie_embeddings and num_stages > 1:
             # Every rank creates the group (torch requires it); only the two end stages use it.
             ends = sorted(set(rank_map.stages[0].ranks) | set(rank_map.stages[-1].ranks))
-            group = dist.new_group(ends, backend=groups.registered(tied_backend))
+            group = dist.new_group(ends, backend="fake" if groups.fake else groups.registered(tied_backend))
             tied_group = group if k in (0, num_stages - 1) else None
     except BaseException:
         if isinstance(optimizer, (OffloadedAdamW, Zero3OffloadAdamW)):

@@ -379,3 +379,12 @@ def stage_memory_bytes(model: ModelSpec, layout: ParallelLayout, *, precision: s
     names = {"weights": "params", "gradients": "grads", "optimizer": "optimizer", "activations": "activations",
              "transient": "transient"}
     return {ours: gib[theirs] * GIB for theirs, ours in names.items()}
+
+
+def stage_offloaded_optimizer_bytes(model: ModelSpec, layout: ParallelLayout, *, precision: str, stage: int,
+                                    num_stages: int, layers: int) -> float:
+    """One device's optimizer state bytes in the offload tier (cpu or ssd) of plan stage `stage`; 0 when the
+    state stays on the device. The runtime's dry run reports it next to what the offload store holds."""
+    parts = memory_parts(model, tp=layout.tp, sp=layout.sp, tokens=1.0, precision=precision, capacity_gib=0.0,
+                         ep=layout.ep, etp=layout.etp)
+    return offloaded_optimizer_bytes(parts, layout).at(layers, 0, stage == 0, stage == num_stages - 1)
