@@ -89,8 +89,18 @@ class Planner:
         key = (tpl, mbs)
         if key not in self._placements:
             slots = [(c, size, g) for c, size in tpl for g in self.groups(c, size)]
-            placed = [(self.shape(c, size), g.nodes) for c, size, g in slots]
-            self._placements[key] = slots, boundary_times(self.job, self.hardware, placed, mbs)
+            recv = [self.boundary(a, b, mbs) for a, b in zip(slots, slots[1:])]
+            self._placements[key] = slots, recv
+        return self._placements[key]
+
+    def boundary(self, sender: tuple[int, int, Group], receiver: tuple[int, int, Group], mbs: int) -> float:
+        """`boundary_times` of two neighbouring stages, cached by what it depends on: the stages' shapes, how
+        many nodes each spans and whether they share their one node."""
+        (ca, sa, ga), (cb, sb, gb) = sender, receiver
+        key = ("boundary", ca, sa, len(ga.nodes), cb, sb, len(gb.nodes), ga.nodes == gb.nodes, mbs)
+        if key not in self._placements:
+            placed = [(self.shape(ca, sa), ga.nodes), (self.shape(cb, sb), gb.nodes)]
+            self._placements[key] = boundary_times(self.job, self.hardware, placed, mbs)[0]
         return self._placements[key]
 
     def groups(self, c: int, size: int) -> list[Group]:
