@@ -16,6 +16,7 @@ import os
 import platform
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from heteroflow.config.job import JobConfig
@@ -44,9 +45,9 @@ def host_profile_path(cache: Path, facts: dict[str, str] | None = None) -> Path:
     return cache / "host-profile" / f"{key}.yaml"
 
 
-def host_profile(cache: Path) -> Profile | None:
-    """This host's quick profile: read from `cache`, measured (tens of seconds) and written there the first
-    time or when `HETEROFLOW_HOST_PROFILE=refresh`; None when it is `off`."""
+def host_profile_file(cache: Path) -> Path | None:
+    """This host's quick profile file under `cache`, measured (tens of seconds on an idle host) and written the
+    first time or when `HETEROFLOW_HOST_PROFILE=refresh`; None when it is `off`."""
     mode = os.environ.get(ENV, "").strip().lower()
     if mode not in ("", "refresh", "off"):
         from heteroflow.errors import UserError
@@ -55,14 +56,22 @@ def host_profile(cache: Path) -> Profile | None:
         return None
     path = host_profile_path(cache)
     if path.exists() and mode != "refresh":
-        return load_profile(path)
+        return path
     print(f"heteroflow: measuring this host once to price emulated runs (`heteroflow profile --quick`); kept in "
           f"{path} (set {ENV}=refresh to measure again, {ENV}=off not to use it)", file=sys.stderr, flush=True)
     from heteroflow.measure.machine import measure_profile
     profile = measure_profile(quick=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_profile(profile, path)
-    return profile
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.yaml")
+    save_profile(profile, partial)
+    os.replace(partial, path)  # a run starting meanwhile reads the old file or the new one, never half of it
+    return path
+
+
+def host_profile(cache: Path) -> Profile | None:
+    """This host's quick profile (`host_profile_file`), or None when `HETEROFLOW_HOST_PROFILE=off`."""
+    path = host_profile_file(cache)
+    return load_profile(path) if path is not None else None
 
 
 def emulation_profile(job: JobConfig, cache: Path) -> Profile | None:
@@ -71,3 +80,12 @@ def emulation_profile(job: JobConfig, cache: Path) -> Profile | None:
     if job.cluster.profile:
         return None
     return host_profile(cache)
+
+
+def emulation_job(job: JobConfig, cache: Path) -> JobConfig:
+    """`job` naming this host's quick profile as its `cluster.profile` when it names none (for `tune --emulate`,
+    whose trials, predictions and calibration all read the job's profile)."""
+    if job.cluster.profile:
+        return job
+    path = host_profile_file(cache)
+    return job if path is None else replace(job, cluster=replace(job.cluster, profile=str(path)))

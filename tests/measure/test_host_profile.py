@@ -69,3 +69,12 @@ def test_train_emulate_prices_from_the_host_profile_unless_the_job_names_one(mea
     named = replace(job, cluster=replace(job.cluster, profile=str(MEASURED)))
     assert host.emulation_profile(named, tmp_path / "cache") is None  # the job's own profile is read as before
     assert measured == [True]
+
+
+def test_tune_emulate_names_the_host_profile_in_its_job(measured, tmp_path):
+    job = load_job(EMULATED)
+    tuned = host.emulation_job(job, tmp_path / "cache")
+    assert tuned.cluster.profile == str(host.host_profile_path(tmp_path / "cache")) and measured == [True]
+    assert load_profile(tuned.resolve_path(tuned.cluster.profile)).to_dict() == load_profile(MEASURED).to_dict()
+    assert host.emulation_job(tuned, tmp_path / "cache") is tuned  # a job's own profile wins
+    assert not list((tmp_path / "cache" / "host-profile").glob("*.partial.yaml"))
