@@ -41,21 +41,24 @@ class _Entry:
     option: Option | None
 
 
-def _dominates(a: tuple, b: tuple) -> bool:
+def _dominates_1f1b(a: tuple, b: tuple) -> bool:
     # DONE (index 7 of 9) and P (index 0) differ most often, so they are compared first.
-    if len(a) == 9:
-        return (a[7] <= b[7] and a[0] <= b[0] and a[8] <= b[8] and a[3] <= b[3] and a[4] <= b[4]
-                and a[5] <= b[5] and a[1] <= b[1] and a[2] <= b[2] and a[6] <= b[6])
+    return (a[7] <= b[7] and a[0] <= b[0] and a[8] <= b[8] and a[3] <= b[3] and a[4] <= b[4]
+            and a[5] <= b[5] and a[1] <= b[1] and a[2] <= b[2] and a[6] <= b[6])
+
+
+def _dominates_gpipe(a: tuple, b: tuple) -> bool:
     return a[0] <= b[0] and a[3] <= b[3] and a[1] <= b[1] and a[2] <= b[2]
 
 
 def _insert(front: list[_Entry], entry: _Entry) -> None:
     vec = entry.vec
+    dominates = _dominates_1f1b if len(vec) == 9 else _dominates_gpipe
     for other in front:
-        if _dominates(other.vec, vec):
+        if dominates(other.vec, vec):
             return
-    if any(_dominates(vec, o.vec) for o in front):
-        front[:] = [o for o in front if not _dominates(vec, o.vec)]
+    if any(dominates(vec, o.vec) for o in front):
+        front[:] = [o for o in front if not dominates(vec, o.vec)]
     front.append(entry)
 
 

@@ -234,9 +234,14 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
     wb, gb, ob = state_bytes_per_param(hw.precision)
     room = hw.device.memory_gib * GIB - (RESERVE_GIB + RESERVE_FRACTION * hw.device.memory_gib) * GIB
     state = act = float("inf")
+    per_rank: dict[tuple, tuple[float, float]] = {}  # layouts differing in ZeRO, recompute, offload share these
+    acts: dict[tuple, float] = {}
     for lay in layouts:
-        p_layer = layer_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp)
-        p_expert = expert_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp)
+        shard = (lay.tp, lay.ep, lay.etp)
+        if shard not in per_rank:
+            per_rank[shard] = (layer_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp),
+                               expert_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp))
+        p_layer, p_expert = per_rank[shard]
         off = lay.offload
         held = 0.0
         for params, ranks in ((p_layer - p_expert, lay.dp), (p_expert, lay.expert_dp)):  # experts: over expert-dp
@@ -248,10 +253,12 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
         if off.activations != "device":
             act = 0.0
         elif act > 0:
-            tokens = micro_batch_size / lay.dp * job.model.seq_length / lay.cp
-            act = min(act, activation_bytes(job.model, tokens=tokens, tp=lay.tp, sp=lay.sp,
-                                            recompute=lay.recompute, dtype_bytes=dtype_bytes(hw.precision),
-                                            etp=lay.etp))
+            key = (lay.dp, lay.cp, lay.tp, lay.sp, lay.recompute, lay.etp)
+            if key not in acts:
+                tokens = micro_batch_size / lay.dp * job.model.seq_length / lay.cp
+                acts[key] = activation_bytes(job.model, tokens=tokens, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
+                                             dtype_bytes=dtype_bytes(hw.precision), etp=lay.etp)
+            act = min(act, acts[key])
     return QuickStats(rate_s=min(c.fwd_layer_s + c.bwd_layer_s for c in costs),
                       first_s=min(c.fwd_first_s + c.bwd_first_s for c in costs),
                       last_s=min(c.fwd_last_s + c.bwd_last_s for c in costs),
