@@ -178,10 +178,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Search the best plan for a job, or estimate a given one."""
     from heteroflow.stagemap.commands import plan_command
     check_output_paths(Output("-o", args.output), Output("--gantt", args.gantt))
+    host = None
+    if args.emulate and args.evaluate is not None and not args.profile:
+        # priced as `train --emulate` prices it: the job's cluster.profile, else this host's cached quick profile
+        from heteroflow.config import load_job
+        from heteroflow.launcher.prepare import cache_dir
+        from heteroflow.measure.host import emulation_profile
+        host = emulation_profile(load_job(args.job), cache_dir())
     return plan_command(job_path=args.job, output=args.output, as_json=args.json, gantt=args.gantt,
                         evaluate=args.evaluate, profile_path=args.profile, emulate=args.emulate,
                         max_micro_batch_size=args.max_micro_batch_size,
-                        calibration_path=args.calibration)
+                        calibration_path=args.calibration, profile=host)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -12,6 +12,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Emulated runs under test are priced from the defaults, never from a host profile measured into the real home
+# (`heteroflow/measure/host.py`; tests/measure/test_host_profile.py turns it on with a temporary cache).
+os.environ.setdefault("HETEROFLOW_HOST_PROFILE", "off")
+
 
 def problems(data: dict) -> list[str]:
     """The `path: message` lines the strict loader reports for job `data`, or [] when it is valid."""

@@ -85,10 +85,14 @@ def search_plan_or_fail(job: JobConfig) -> PlanSpec:
 def predicted_times(job: JobConfig, plan: PlanSpec, *, emulate: bool
                     ) -> tuple[float | None, tuple[dict[str, float], ...] | None]:
     """The cost model's step time for this plan (emulated runs priced as local CPU processes sharing this
-    machine's cores) and, per stage, its parts of it with `step_s`; (None, None) when the cost model finds
-    the plan infeasible."""
+    machine's cores, from the job's `cluster.profile` or else this host's cached quick profile) and, per stage,
+    its parts of it with `step_s`; (None, None) when the cost model finds the plan infeasible."""
     from heteroflow.stagemap import evaluate_plan
-    estimate = evaluate_plan(job, plan, emulate=emulate)
+    profile = None
+    if emulate:  # without the job's `cluster.profile`, this host's cached quick profile (measure/host.py)
+        from heteroflow.measure.host import emulation_profile
+        profile = emulation_profile(job, cache_dir())
+    estimate = evaluate_plan(job, plan, emulate=emulate, profile=profile)
     if not estimate.feasible:
         return None, None
     stages = tuple({**s.times.to_dict(), "step_s": estimate.step_time_s} for s in estimate.stages if s.times)

@@ -25,9 +25,10 @@ from heteroflow.config import JobConfig, PlanSpec, load_plan_file
 from heteroflow.config.yamlfile import dump_yaml
 from heteroflow.errors import UserError
 from heteroflow.launcher.launch import TrainingFailed
-from heteroflow.launcher.prepare import TrainOptions
+from heteroflow.launcher.prepare import TrainOptions, cache_dir
 from heteroflow.launcher.signals import Stopped
 from heteroflow.launcher.train import train_job
+from heteroflow.measure.host import emulation_job
 from heteroflow.runtime.stop import signal_name
 from heteroflow.stagemap import RUNTIME_LAYOUTS, PlanEstimate, evaluate_plan, search_plan, search_top_plans
 from heteroflow.stagemap.calibration import Calibration, save_calibration
@@ -107,6 +108,8 @@ def tune_job(job: JobConfig, options: TuneOptions) -> TuneResult:
     """Run the trials, calibrate, run the calibrated best if new; see the module docstring."""
     if options.steps < MIN_STEPS:
         raise UserError(f"--steps: at least {MIN_STEPS}: a trial's first 2 steps are its warm-up, not measured")
+    if options.emulate:  # priced from this host's cached quick profile when the job names none (measure/host.py)
+        job = emulation_job(job, cache_dir())
     work = Path(options.work_dir or default_work_dir(options.output))
     if work.exists() and (not work.is_dir() or any(work.iterdir())):
         raise UserError(f"{work}: the tune work directory already holds files (an earlier tune?); remove it or "

@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 
 from heteroflow.errors import UserError
+from heteroflow.stagemap.profile import Profile
 
 
 def print_json(data: object) -> None:
@@ -17,12 +18,14 @@ def print_json(data: object) -> None:
 
 def plan_command(*, job_path: str, output: str | None = None, as_json: bool = False, gantt: str | None = None,
                  evaluate: str | None = None, profile_path: str | None = None, emulate: bool = False,
-                 max_micro_batch_size: int | None = None, calibration_path: str | None = None) -> int:
+                 max_micro_batch_size: int | None = None, calibration_path: str | None = None,
+                 profile: Profile | None = None) -> int:
     """Search (or, with `evaluate`, estimate) a plan for a job; print a table or JSON; write files.
 
     The search covers every layout the cost model prices, all of which `heteroflow train` runs (`RUNTIME_LAYOUTS`).
     `calibration_path` (default: the job's
-    `cluster.calibration`) scales the cost model's rates with fitted factors.
+    `cluster.calibration`) scales the cost model's rates with fitted factors. `profile`: priced from it when
+    `profile_path` is not given (default: the job's `cluster.profile`).
     """
     from heteroflow.config import load_job, load_plan_file
     from heteroflow.config.catalog import CATALOG
@@ -32,7 +35,7 @@ def plan_command(*, job_path: str, output: str | None = None, as_json: bool = Fa
     from heteroflow.stagemap.report import format_estimate, format_report
 
     job = load_job(job_path)
-    profile = load_profile(profile_path) if profile_path else None
+    profile = load_profile(profile_path) if profile_path else profile
     calibration = (load_calibration(calibration_path, device_types=[*job.cluster.device_types, *CATALOG])
                    if calibration_path else None)
     if evaluate is not None:

@@ -1,5 +1,6 @@
 """The planner's inner search: for a fixed sequence of stage device groups, choose every stage's layer count
-and layout to minimize the predicted step time, exactly.
+and layout to minimize the predicted step time, exactly (for 1F1B: its closed form, the makespan unless a
+stage's backward is faster than its forward, see pipeline.py).
 
 Dynamic programming over stages in pipeline order, indexed by (stages placed, layers placed). A partial
 plan is summarized by a vector from which the closed form of pipeline.py can be finished stage by stage
@@ -40,20 +41,24 @@ class _Entry:
     option: Option | None
 
 
-def _dominates(a: tuple, b: tuple) -> bool:
+def _dominates_1f1b(a: tuple, b: tuple) -> bool:
     # DONE (index 7 of 9) and P (index 0) differ most often, so they are compared first.
-    if len(a) == 9:
-        return (a[7] <= b[7] and a[0] <= b[0] and a[8] <= b[8] and a[3] <= b[3] and a[4] <= b[4]
-                and a[5] <= b[5] and a[1] <= b[1] and a[2] <= b[2] and a[6] <= b[6])
+    return (a[7] <= b[7] and a[0] <= b[0] and a[8] <= b[8] and a[3] <= b[3] and a[4] <= b[4]
+            and a[5] <= b[5] and a[1] <= b[1] and a[2] <= b[2] and a[6] <= b[6])
+
+
+def _dominates_gpipe(a: tuple, b: tuple) -> bool:
     return a[0] <= b[0] and a[3] <= b[3] and a[1] <= b[1] and a[2] <= b[2]
 
 
 def _insert(front: list[_Entry], entry: _Entry) -> None:
     vec = entry.vec
+    dominates = _dominates_1f1b if len(vec) == 9 else _dominates_gpipe
     for other in front:
-        if _dominates(other.vec, vec):
+        if dominates(other.vec, vec):
             return
-    front[:] = [o for o in front if not _dominates(vec, o.vec)]
+    if any(dominates(vec, o.vec) for o in front):
+        front[:] = [o for o in front if not dominates(vec, o.vec)]
     front.append(entry)
 
 
@@ -77,7 +82,7 @@ class DictTable:
 
 
 def fill_bound(least: list[np.ndarray], num_layers: int, m: int, own: list[np.ndarray] | None = None,
-               tails: list[np.ndarray] | None = None) -> np.ndarray:
+               tails: list[np.ndarray] | None = None, sums: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """G[k, r]: a lower bound on max_{k' >= k} (sum_{k <= l < k'} t_l + c_k') over plans whose stages k.. hold
     r layers, with t_l >= least[l][layers - 1] (the fastest layout that fits there). Each stage's c_k is
     at least
@@ -87,47 +92,49 @@ def fill_bound(least: list[np.ndarray], num_layers: int, m: int, own: list[np.nd
       2 sum_{l>k} t_l, from the closed form's candidate k with the warm-up and drain of micro-batch 0 and
       m - 1 through the whole pipeline; the sum over later stages is bounded by its least value.
     So step >= G[0, L], and a partial plan with prefix sum P over its first k stages needs P + G[k, rest].
-    Recursion: G[k, r] = min_l max(c_k(l, r - l), t_k(l) + G[k+1, r-l])."""
-    p = len(least)
-    G = np.full((p + 1, num_layers + 1), np.inf)
-    G[p, 0] = -np.inf  # no stages after the last: only its own term counts
-    rest_sum = np.full((p + 1, num_layers + 1), np.inf)  # least sum of t over stages k.. holding r layers
-    rest_sum[p, 0] = 0.0
+    Recursion: G[k, r] = min_l max(c_k(l, r - l), t_k(l) + G[k+1, r-l]).
+    With `sums`, also returns S[k, r]: the least sum of t over stages k.. holding r layers (for `solve`)."""
+    p, L = len(least), num_layers
+    # Both tables carry L + 1 columns of inf before column 0, so that "r - l layers left" indexes them directly
+    # (negative counts read inf).
+    G = np.full((p + 1, 2 * L + 2), np.inf)
+    G[p, L + 1] = -np.inf  # no stages after the last: only its own term counts
+    rest_sum = np.full((p + 1, 2 * L + 2), np.inf)  # least sum of t over stages k.. holding r layers
+    rest_sum[p, L + 1] = 0.0
+    left = np.arange(L + 1)[None, :] - np.arange(1, L + 1)[:, None] + (L + 1)  # [l - 1, r]: column of r - l
     for k in range(p - 1, -1, -1):
-        t = np.asarray(least[k][:num_layers], dtype=float)
+        t = np.asarray(least[k][:L], dtype=float)
         if len(t) == 0:
             continue
         # Only r in [p - k, L - k] can occur: every stage holds at least one layer.
-        r = np.arange(p - k, num_layers - k + 1)
-        idx = r[None, :] - np.arange(1, len(t) + 1)[:, None]  # layers left for stages after k
-        gather = np.maximum(idx, 0)
-        ok = idx >= 0
-        rest = np.where(ok, G[k + 1][gather], np.inf)
+        cols = slice(p - k + L + 1, L - k + 1 + L + 1)
+        gather = left[: len(t), p - k: L - k + 1]
+        rest = G[k + 1][gather]
         own_k = np.asarray(own[k][: len(t)], dtype=float) if own is not None else m * t
         with np.errstate(invalid="ignore"):
             cand = np.maximum(own_k[:, None], t[:, None] + rest)
-            if tails is not None and m > p - k:
-                later = np.where(ok, rest_sum[k + 1][gather], np.inf)
-                warm = ((m - p + k + 1) * t + np.asarray(tails[k][: len(t)], dtype=float))[:, None] + 2 * later
-                np.maximum(cand, warm, out=cand)
-            if tails is not None:
-                total = t[:, None] + np.where(ok, rest_sum[k + 1][gather], np.inf)
+            if tails is not None or sums:
+                later = rest_sum[k + 1][gather]
+                if tails is not None and m > p - k:
+                    warm = ((m - p + k + 1) * t + np.asarray(tails[k][: len(t)], dtype=float))[:, None] + 2 * later
+                    np.maximum(cand, warm, out=cand)
+                total = t[:, None] + later
         bad = ~np.isfinite(t) | ~np.isfinite(own_k)  # layer counts that fit nowhere
         cand[bad] = np.inf
-        G[k, r] = cand.min(axis=0)
-        if tails is not None:
+        G[k, cols] = cand.min(axis=0)
+        if tails is not None or sums:
             total[bad] = np.inf
-            rest_sum[k, r] = total.min(axis=0)
-    return G
+            rest_sum[k, cols] = total.min(axis=0)
+    return (G[:, L + 1:], rest_sum[:, L + 1:]) if sums else G[:, L + 1:]
 
 
 def solve(tables: list, num_layers: int, m: int, schedule: str, incumbent: float = float("inf"),
-          fill: np.ndarray | None = None) -> tuple[float, list[Option]] | None:
+          fill: np.ndarray | None = None, sums: np.ndarray | None = None) -> tuple[float, list[Option]] | None:
     """Best (step time, options per stage), or None if nothing beats `incumbent`.
 
     `tables[k]` gives stage k's options: `.options(layers)`, `.least` (least F + B by layer count, inf
-    where nothing fits; non-decreasing where finite) and `.least_tail`; `fill` is `fill_bound` for these
-    stages (optional, for pruning)."""
+    where nothing fits; non-decreasing where finite) and `.least_tail`; `fill` and `sums` are `fill_bound`'s
+    G and S for these stages (optional, for pruning)."""
     p = len(tables)
     if p > num_layers:
         return None
@@ -161,11 +168,13 @@ def solve(tables: list, num_layers: int, m: int, schedule: str, incumbent: float
     start = (0.0, 0.0, 0.0, 0.0) if gpipe else (0.0, 0.0, 0.0, NEG, NEG, NEG, 0.0, 0.0, 0.0)
     fronts: dict[int, list[_Entry]] = {0: [_Entry(start, None, None)]}
     cache: dict[tuple[int, int], list[Option]] = {}
+    columns: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}  # cache's (forward, backward, tail) as arrays
     for k in range(p):
         w = min(p - 1 - k, m)
         u = min(w, m - 1)
         n = m - w - 1
         nxt: dict[int, list[_Entry]] = {}
+        arrays: dict[int, np.ndarray] = {}
         later = p - 1 - k
         for used, front in fronts.items():
             lo = max(1, num_layers - used - suffix_cap[k + 1])
@@ -180,11 +189,22 @@ def solve(tables: list, num_layers: int, m: int, schedule: str, incumbent: float
                     continue
                 rest = num_layers - used - layers
                 rem = suffix_t[k + 1] + (rest - later) * suffix_slope[k + 1] if later else 0.0
+                if sums is not None and later:
+                    rem = max(rem, float(sums[k + 1, rest]))
                 ahead = fill[k + 1, rest] if fill is not None and later else -np.inf
                 bucket = nxt.setdefault(used + layers, [])
+                if not gpipe:
+                    if used not in arrays:
+                        arrays[used] = np.array([e.vec for e in front], dtype=float)
+                    if key not in columns:
+                        columns[key] = tuple(np.array([getattr(o, f) for o in opts])
+                                             for f in ("forward_s", "backward_s", "tail_s"))
+                    _extend_1f1b(bucket, front, arrays[used], opts, columns[key], u, n, m, ahead, rem, not later,
+                                 incumbent)
+                    continue
                 for entry in front:
                     for o in opts:
-                        vec = _step_gpipe(entry.vec, o) if gpipe else _step_1f1b(entry.vec, o, u, n, m)
+                        vec = _step_gpipe(entry.vec, o)
                         if vec[0] + ahead >= incumbent:
                             continue
                         if _lower_bound(vec, rem, gpipe, m, last=not later) >= incumbent:
@@ -227,6 +247,7 @@ def _step_gpipe(vec: tuple, o: Option) -> tuple:
 
 
 def _step_1f1b(vec: tuple, o: Option, u: int, n: int, m: int) -> tuple:
+    """One stage appended to a 1F1B partial plan (the recurrence `_extend_1f1b` applies to many at once)."""
     P, MF, MB, Gt, GA, GD, H, DONE, TAIL = vec
     t = o.forward_s + o.backward_s
     P2, MF2, MB2 = P + t, max(MF, o.forward_s), max(MB, o.backward_s)
@@ -238,6 +259,49 @@ def _step_1f1b(vec: tuple, o: Option, u: int, n: int, m: int) -> tuple:
         return (P2, MF2, MB2, Gt2, max(GA, Gt2 + u * MF2), max(GD, Gt2 + u * MB2), H, DONE2, max(TAIL, o.tail_s))
     H2 = max(H, (m - 1) * MB2)
     return (P2, MF2, MB2, Gt, GA, GD, H2, max(DONE, H2 + a), max(TAIL, o.tail_s))
+
+
+def _extend_1f1b(bucket: list[_Entry], front: list[_Entry], vecs: np.ndarray, opts: list[Option],
+                 columns: tuple[np.ndarray, ...], u: int, n: int, m: int, ahead: float, rem: float, last: bool,
+                 incumbent: float) -> None:
+    """`_step_1f1b` of every (entry, option) pair at once (the same operations in the same order, so the same
+    floats), keeping those whose bounds stay below `incumbent`, inserted in (entry, option) order. `vecs`: the
+    entries' vectors; `columns`: the options' forward, backward and tail times."""
+    F, B, TL = columns
+    P, MF, MB, Gt, GA, GD, H, DONE, TAIL = (vecs[:, i:i + 1] for i in range(9))
+    t = F + B
+    P2 = P + t
+    ok = P2 + ahead < incumbent
+    if not ok.any():
+        return
+    MF2, MB2 = np.maximum(MF, F), np.maximum(MB, B)
+    a = P2 + u * MF2
+    d = P2 + u * MB2
+    if n >= 1:
+        Gt2 = np.maximum(Gt + t, n * t)
+        DONE2 = np.maximum(np.maximum(np.maximum(DONE, GA + d), np.maximum(GD + a, Gt2 - P2 + a + d)), H + a)
+        GA2, GD2, H2 = np.maximum(GA, Gt2 + u * MF2), np.maximum(GD, Gt2 + u * MB2), H
+    else:
+        H2 = np.maximum(H, (m - 1) * MB2)
+        DONE2 = np.maximum(DONE, H2 + a)
+        Gt2, GA2, GD2 = Gt, GA, GD
+    TAIL2 = np.maximum(TAIL, TL)
+    if last:
+        low = DONE2 + TAIL2
+    else:
+        finish = P2 + rem
+        low = np.maximum(np.maximum(np.maximum(DONE2, GA2 + finish), np.maximum(GD2 + finish, Gt2 - P2 + 2 * finish)),
+                         H2 + finish) + TAIL2
+    ok &= low < incumbent
+    rows, cols = np.nonzero(ok)
+    if not len(rows):
+        return
+    # Columns are (entries, 1), (1, options) or (entries, options): index each by its own shape.
+    zero = np.zeros_like(rows)
+    stacked = np.stack([x[rows if x.shape[0] > 1 else zero, cols if x.shape[1] > 1 else zero]
+                        for x in (P2, MF2, MB2, Gt2, GA2, GD2, H2, DONE2, TAIL2)], axis=1)
+    for i, j, vec in zip(rows.tolist(), cols.tolist(), stacked.tolist()):
+        _insert(bucket, _Entry(tuple(vec), front[i], opts[j]))
 
 
 def _value(vec: tuple, gpipe: bool, m: int) -> float:

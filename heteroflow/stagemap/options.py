@@ -56,19 +56,26 @@ def layout_table(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts:
 def _skyline(rows: np.ndarray) -> list[int]:
     """Indices of rows no other row dominates (<= everywhere; of equal rows the lowest index stays).
 
-    In lexicographic order a row can only be dominated by rows before it, so one pass against the rows
-    kept so far suffices."""
+    In lexicographic order a row can only be dominated by rows before it, and a row dominated by a dominated
+    row is dominated by the one that dominates that one: a row stays when no row before it dominates it.
+    Taken in blocks: each block against the rows kept so far and against its own earlier rows."""
     order = np.lexsort(rows.T[::-1])
-    kept_rows = np.empty_like(rows)
-    kept: list[int] = []
-    for i in order:
-        r = rows[i]
-        n = len(kept)
-        if n and (kept_rows[:n] <= r).all(axis=1).any():
-            continue
-        kept_rows[n] = r
-        kept.append(int(i))
-    return sorted(kept)
+    ranked = rows[order]
+    kept: list[np.ndarray] = []
+    kept_rows = ranked[:0]
+    block = 64
+    earlier = np.tri(block, k=-1, dtype=bool)  # earlier[i, j]: j before i
+    for start in range(0, len(ranked), block):
+        chunk = ranked[start:start + block]
+        b = len(chunk)
+        inside = (chunk[None, :, :] <= chunk[:, None, :]).all(axis=2) & earlier[:b, :b]
+        beaten = inside.any(axis=1)
+        if len(kept_rows):
+            beaten |= (kept_rows[None, :, :] <= chunk[:, None, :]).all(axis=2).any(axis=1)
+        fresh = np.flatnonzero(~beaten)
+        kept.append(order[start + fresh])
+        kept_rows = np.concatenate([kept_rows, chunk[fresh]])
+    return sorted(int(i) for i in np.concatenate(kept)) if kept else []
 
 
 @dataclass(slots=True)
@@ -152,6 +159,7 @@ class StageOptions:
         self.least_tail = curve.least_tail
         """Least tail of any option (at one layer: tails grow with layers)."""
         self._front: dict[int, list[int]] = {}
+        self._options: dict[int, list[Option]] = {}
 
     def _pareto(self, layers: int) -> list[int]:
         if layers not in self._front:
@@ -170,9 +178,12 @@ class StageOptions:
     def options(self, layers: int) -> list[Option]:
         """Options with `layers` layers that fit and that no other beats in (F, B, tail); ties keep the
         simplest layout (the table's order)."""
-        c, row = self.curve, layers - 1
-        return [Option(layers, float(c.forward[row, i]) + self.recv_in, float(c.backward[row, i]) + self.recv_out,
-                       float(c.tail[row, i]), c.layouts[i]) for i in self._pareto(layers)]
+        if layers not in self._options:
+            c, row = self.curve, layers - 1
+            self._options[layers] = [Option(layers, float(c.forward[row, i]) + self.recv_in,
+                                            float(c.backward[row, i]) + self.recv_out, float(c.tail[row, i]),
+                                            c.layouts[i]) for i in self._pareto(layers)]
+        return self._options[layers]
 
     def fastest(self, layers: int) -> Option | None:
         """The option with the least F + B (then tail)."""
@@ -223,9 +234,14 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
     wb, gb, ob = state_bytes_per_param(hw.precision)
     room = hw.device.memory_gib * GIB - (RESERVE_GIB + RESERVE_FRACTION * hw.device.memory_gib) * GIB
     state = act = float("inf")
+    per_rank: dict[tuple, tuple[float, float]] = {}  # layouts differing in ZeRO, recompute, offload share these
+    acts: dict[tuple, float] = {}
     for lay in layouts:
-        p_layer = layer_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp)
-        p_expert = expert_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp)
+        shard = (lay.tp, lay.ep, lay.etp)
+        if shard not in per_rank:
+            per_rank[shard] = (layer_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp),
+                               expert_params_per_rank(job.model, lay.tp, ep=lay.ep, etp=lay.etp))
+        p_layer, p_expert = per_rank[shard]
         off = lay.offload
         held = 0.0
         for params, ranks in ((p_layer - p_expert, lay.dp), (p_expert, lay.expert_dp)):  # experts: over expert-dp
@@ -237,10 +253,12 @@ def quick_stats(job: JobConfig, hardware: Hardware, hw: StageHardware, layouts: 
         if off.activations != "device":
             act = 0.0
         elif act > 0:
-            tokens = micro_batch_size / lay.dp * job.model.seq_length / lay.cp
-            act = min(act, activation_bytes(job.model, tokens=tokens, tp=lay.tp, sp=lay.sp,
-                                            recompute=lay.recompute, dtype_bytes=dtype_bytes(hw.precision),
-                                            etp=lay.etp))
+            key = (lay.dp, lay.cp, lay.tp, lay.sp, lay.recompute, lay.etp)
+            if key not in acts:
+                tokens = micro_batch_size / lay.dp * job.model.seq_length / lay.cp
+                acts[key] = activation_bytes(job.model, tokens=tokens, tp=lay.tp, sp=lay.sp, recompute=lay.recompute,
+                                             dtype_bytes=dtype_bytes(hw.precision), etp=lay.etp)
+            act = min(act, acts[key])
     return QuickStats(rate_s=min(c.fwd_layer_s + c.bwd_layer_s for c in costs),
                       first_s=min(c.fwd_first_s + c.bwd_first_s for c in costs),
                       last_s=min(c.fwd_last_s + c.bwd_last_s for c in costs),

@@ -17,6 +17,11 @@ Closed form (derived from the schedule's dependency graph; it equals the simulat
     cand_j = A_j + (m - w_j - 1)(F_j + B_j) + D_j       if m - w_j - 1 >= 1,
     cand_j = A_j + sum_{l<=j} B_l + (m-1) max_{l<=j} B_l  otherwise (stage j runs all forwards first).
   cand_j is the longest path that spends the steady state on stage j.
+  Every cand_j is a path of the schedule's dependency graph, so T never exceeds the makespan; it equals it
+  when no stage's backward is faster than its forward (B_k >= F_k, as training stages are; checked on random
+  stage times). Where some B_k < F_k the longest path can zigzag between stages in the steady state, and
+  `pipeline_time` times the action lists instead (`longest_path`); the planner's dynamic program keeps the
+  closed form as its objective (a lower bound there) and its plans are priced with `pipeline_time`.
 
 Shared cores (emulation: every rank a local process): `simulate_shared` runs the same schedule when the
 stages' threads share a few cores. F and B are then each operation's time with its threads to itself; while
@@ -33,14 +38,23 @@ from dataclasses import dataclass
 from heteroflow.layout.schedule import BACKWARD, FORWARD, in_flight, stage_actions, warmup_forwards
 from heteroflow.stagemap.profile import per_core_value
 
-__all__ = ["Event", "SharedRun", "in_flight", "pipeline_time", "run_shared", "shared_ends", "shared_makespan",
+__all__ = ["Event", "SharedRun", "in_flight", "longest_path", "one_f_one_b_closed_form", "pipeline_time", "run_shared", "shared_ends", "shared_makespan",
            "sharing_speed", "simulate", "simulate_shared"]
 
 
 def pipeline_time(F: list[float], B: list[float], m: int, schedule: str) -> float:
-    """Makespan of one step's forward and backward passes (closed form)."""
+    """Makespan of one step's forward and backward passes (closed form; for 1F1B with a stage whose backward
+    is faster than its forward, the longest path of the schedule's actions)."""
     if schedule == "gpipe":
         return sum(F) + (m - 1) * max(F) + sum(B) + (m - 1) * max(B)
+    if any(b < f for f, b in zip(F, B)):
+        return longest_path(F, B, m, schedule)
+    return one_f_one_b_closed_form(F, B, m)
+
+
+def one_f_one_b_closed_form(F: list[float], B: list[float], m: int) -> float:
+    """The 1F1B closed form (the module docstring): the makespan when every B_k >= F_k, a lower bound on it
+    otherwise."""
     p = len(F)
     a = _first_backward_start(F, B, m)
     d = _first_backward_start(B, F, m)
@@ -73,6 +87,35 @@ def _first_backward_start(F: list[float], B: list[float], m: int) -> list[float]
         a[k] = fs[k] if k == p - 1 else max(fs[k], end_next)
         end_next = a[k] + B[k]
     return a
+
+
+def longest_path(F: list[float], B: list[float], m: int, schedule: str) -> float:
+    """Makespan of the schedule's action lists with per-stage times `F`, `B` (transfers included): `simulate`
+    without transfers of their own or events, for pricing."""
+    p = len(F)
+    orders = [stage_actions(schedule, p, k, m) for k in range(p)]
+    ends = {FORWARD: [[None] * m for _ in range(p)], BACKWARD: [[None] * m for _ in range(p)]}
+    position, free = [0] * p, [0.0] * p
+    progressed = True
+    while progressed:
+        progressed = False
+        for k in range(p):
+            order = orders[k]
+            while position[k] < len(order):
+                action = order[position[k]]
+                kind, i = action.kind, action.micro_batch
+                if kind == FORWARD:
+                    ready = 0.0 if k == 0 else ends[FORWARD][k - 1][i]
+                else:
+                    ready = ends[FORWARD][k][i] if k == p - 1 else ends[BACKWARD][k + 1][i]
+                if ready is None:
+                    break
+                free[k] = max(free[k], ready) + (F[k] if kind == FORWARD else B[k])
+                ends[kind][k][i] = free[k]
+                position[k] += 1
+                progressed = True
+    assert all(position[k] == len(orders[k]) for k in range(p)), "the schedule deadlocked"
+    return max(free)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from heteroflow.stagemap.estimate import boundary_times
 from heteroflow.stagemap.hardware import Hardware
 from heteroflow.stagemap.options import (LayoutTable, QuickStats, SlotCurve, StageOptions, layout_table, least_curve,
                                          quick_stats, slot_curve)
-from heteroflow.stagemap.pipeline import in_flight
+from heteroflow.stagemap.pipeline import in_flight, pipeline_time
 from heteroflow.stagemap.space import (Group, SearchOptions, device_classes, groups, layouts_for,
                                        micro_batch_sizes, templates)
 
@@ -61,7 +61,8 @@ class Planner:
         self._curves: dict[tuple, SlotCurve] = {}
         self._least: dict[tuple, tuple[np.ndarray, float]] = {}
         self._placements: dict[tuple, tuple] = {}
-        self._fill: dict[tuple, np.ndarray] = {}
+        self._fill: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        """Per (template, micro-batch size, schedule): `dp.fill_bound`'s G and S for the dynamic program."""
         self.warm_bound = True
         self._layouts: dict[tuple, list] = {}
 
@@ -88,8 +89,18 @@ class Planner:
         key = (tpl, mbs)
         if key not in self._placements:
             slots = [(c, size, g) for c, size in tpl for g in self.groups(c, size)]
-            placed = [(self.shape(c, size), g.nodes) for c, size, g in slots]
-            self._placements[key] = slots, boundary_times(self.job, self.hardware, placed, mbs)
+            recv = [self.boundary(a, b, mbs) for a, b in zip(slots, slots[1:])]
+            self._placements[key] = slots, recv
+        return self._placements[key]
+
+    def boundary(self, sender: tuple[int, int, Group], receiver: tuple[int, int, Group], mbs: int) -> float:
+        """`boundary_times` of two neighbouring stages, cached by what it depends on: the stages' shapes, how
+        many nodes each spans and whether they share their one node."""
+        (ca, sa, ga), (cb, sb, gb) = sender, receiver
+        key = ("boundary", ca, sa, len(ga.nodes), cb, sb, len(gb.nodes), ga.nodes == gb.nodes, mbs)
+        if key not in self._placements:
+            placed = [(self.shape(ca, sa), ga.nodes), (self.shape(cb, sb), gb.nodes)]
+            self._placements[key] = boundary_times(self.job, self.hardware, placed, mbs)[0]
         return self._placements[key]
 
     def groups(self, c: int, size: int) -> list[Group]:
@@ -110,7 +121,8 @@ class Planner:
         stage k, which then works m micro-batches, and the last gradient leaves it), hence (i) step >= m *
         max_k t_k and (ii) a weighted mean of these inequalities with equal coefficient c on every t_l:
         step >= c sum_l t_l, c = 1 / (1 - (1 - 1/m)^p). Here t_k >= layers_k * (least time per layer of any
-        layout) + first/last-stage extras, and layers_k is bounded by memory (`QuickStats`)."""
+        layout) + first/last-stage extras + the boundary transfers stage k receives, and layers_k is bounded by
+        memory (`QuickStats`)."""
         m = self.job.train.global_batch_size // mbs
         layers = self.job.model.num_layers
         stats, counts = [], []
@@ -125,7 +137,7 @@ class Planner:
         state = np.repeat([st.state_per_layer for st in stats], counts)
         act = np.repeat([st.act_per_layer for st in stats], counts)
         room = np.repeat([st.room for st in stats], counts)
-        extra = np.zeros(p)
+        extra = _transfer_shift(self.placement(tpl, mbs)[1], p)  # every F + B includes its boundary transfers
         extra[0] += stats[0].first_s
         extra[-1] += stats[-1].last_s
         flight = np.full(p, float(m)) if schedule == "gpipe" else np.minimum(p - np.arange(p), m).astype(float)
@@ -168,28 +180,28 @@ class Planner:
         better plan)."""
         slots, recv = self.placement(tpl, mbs)
         p, m, layers = len(slots), self.job.train.global_batch_size // mbs, self.job.model.num_layers
-        least, owns, tails = [], [], []
+        rows = []
         for k, (c, size, _) in enumerate(slots):
             key = (c, size, mbs, k == 0, k == p - 1, in_flight(schedule, p, k, m))
             if key not in self._least:
                 self._least[key] = least_curve(self.table(c, size, mbs), first=key[3], last=key[4],
                                                in_flight=key[5], max_layers=layers, micro_batches=m)
-            curve, own, tail = self._least[key]
-            shift = (recv[k - 1] if k else 0.0) + (recv[k] if k < p - 1 else 0.0)
-            t = curve[: layers - p + 1] + shift
-            o = own[: layers - p + 1] + m * shift
-            keep = int(np.searchsorted(o, incumbent))  # o is non-decreasing: fewer layouts fit more layers
-            if keep == 0:
-                return None
-            least.append(t[:keep])
-            owns.append(o[:keep])
-            tails.append(tail[:keep])
-        return least, owns, tails
+            rows.append(self._least[key])
+        top = layers - p + 1
+        curve, own, tail = (np.stack([r[i][:top] for r in rows]) for i in range(3))
+        shift = _transfer_shift(recv, p)
+        t = curve + shift[:, None]
+        o = own + m * shift[:, None]
+        keep = (o < incumbent).sum(axis=1)  # o is non-decreasing: fewer layouts fit more layers
+        if keep.min() == 0:
+            return None
+        return ([t[k, :n] for k, n in enumerate(keep.tolist())], [o[k, :n] for k, n in enumerate(keep.tolist())],
+                [tail[k, :n] for k, n in enumerate(keep.tolist())])
 
     def refined_bound(self, tpl: Template, mbs: int, schedule: str,
                       incumbent: float = float("inf")) -> tuple[float, np.ndarray] | None:
         """A lower bound on the template's step time with the layouts that actually fit, over plans that
-        could beat `incumbent` (None: none can), and the fill table for the dynamic program.
+        could beat `incumbent` (None: none can), and the fill and sum tables for the dynamic program.
 
         step = T + max_j tail_j >= G[0, L] (see dp.fill_bound)."""
         got = self.least_times(tpl, mbs, schedule, incumbent)
@@ -207,14 +219,19 @@ class Planner:
         if cheap >= incumbent:
             return None
         warm = tails if schedule == "1f1b" and self.warm_bound else None
-        G = fill_bound(least, layers, m, owns, warm)
+        G, S = fill_bound(least, layers, m, owns, warm, sums=True)
         value = G[0, layers]
         if not np.isfinite(value):
             return None
-        return value * (1 - 1e-9), G
+        return value * (1 - 1e-9), (G, S)
 
-    def solve(self, tpl: Template, mbs: int, schedule: str, incumbent: float) -> tuple[float, PlanSpec] | None:
-        """The best plan of one template, if it beats `incumbent`."""
+    def solve(self, tpl: Template, mbs: int, schedule: str, incumbent: float,
+              lower: float = 0.0) -> tuple[float, PlanSpec] | None:
+        """The best plan of one template, if it beats `incumbent` (`lower`: a lower bound on its step time).
+
+        The dynamic program is exact below the value it is given, and prunes the harder the closer that
+        value is to the optimum: without an incumbent it is first asked for plans within a little of `lower`,
+        then within more, up to the greedy plan's value; the first answer is the optimum."""
         slots, recv = self.placement(tpl, mbs)
         p, m, layers = len(slots), self.job.train.global_batch_size // mbs, self.job.model.num_layers
         tables = [StageOptions(curve, recv[k - 1] if k else 0.0, recv[k] if k < p - 1 else 0.0)
@@ -227,12 +244,23 @@ class Planner:
         if fill is None:
             refined = self.refined_bound(tpl, mbs, schedule, bound)
             fill = refined[1] if refined else None
-        found = solve(tables, layers, m, schedule, bound, fill)
+        found = None
+        # With an incumbent, most templates cannot beat it: asking below it first would only repeat the work.
+        for target in (_targets(lower, bound) if incumbent == float("inf") else [bound]):
+            found = solve(tables, layers, m, schedule, target, *(fill or (None, None)))
+            if found is not None:
+                break
         if found is None and start is not None and start[0] < incumbent:
             found = start
         if found is None:
             return None
         value, chosen = found
+        if schedule == "1f1b" and any(o.backward_s < o.forward_s for o in chosen):
+            # The dynamic program minimises the 1F1B closed form, a lower bound on such a plan's makespan.
+            value = pipeline_time([o.forward_s for o in chosen], [o.backward_s for o in chosen], m, schedule)
+            value += max(o.tail_s for o in chosen)
+            if value >= incumbent:
+                return None
         stages = tuple(StageSpec(devices=g.devices, device_refs=g.refs, device_type=self.classes[c].device_type,
                                  layers=o.layers, layout=o.layout)
                        for (c, _, g), o in zip(slots, chosen))
@@ -276,7 +304,7 @@ class Planner:
                     self._fill[(tpl, mbs, schedule)] = rb[1]  # valid for any smaller incumbent too
                     heapq.heappush(heap, (max(rb[0], b), 1, n, mbs, schedule, tpl))
                 continue
-            found = self.solve(tpl, mbs, schedule, incumbent)
+            found = self.solve(tpl, mbs, schedule, incumbent, lower=b)
             result.solved += 1
             if found is None:
                 continue
@@ -307,6 +335,27 @@ class Planner:
         if single is None:
             return result.best[0] if result.best else float("inf")
         return result.per_type[single][0] if single in result.per_type else float("inf")
+
+
+def _transfer_shift(recv: list[float], p: int) -> np.ndarray:
+    """Per stage, the boundary transfers its F + B includes: the one it receives forward and the one it receives
+    backward (`recv[k]`: between stages k and k + 1)."""
+    shift = np.zeros(p)
+    if p > 1:
+        shift[1:] += recv
+        shift[:-1] += recv
+    return shift
+
+
+TARGET_STEPS = (1.002, 1.01, 1.02, 1.035, 1.05, 1.07, 1.1, 1.13, 1.17, 1.22, 1.3, 1.4)
+"""Values the dynamic program is first asked to beat, as multiples of the template's lower bound."""
+
+
+def _targets(lower: float, bound: float) -> list[float]:
+    """Increasing values below `bound` to search under, ending with `bound` itself."""
+    if not lower > 0 or not np.isfinite(lower):
+        return [bound]
+    return [lower * f for f in TARGET_STEPS if lower * f < bound] + [bound]
 
 
 def run_search(job: JobConfig, hardware: Hardware, options: SearchOptions, top_k: int = 1) -> SearchResult:

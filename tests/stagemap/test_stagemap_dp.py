@@ -7,13 +7,17 @@ import random
 
 import numpy as np
 
-from heteroflow.stagemap.dp import DictTable, Option, fill_bound, greedy, solve
-from heteroflow.stagemap.pipeline import pipeline_time
+from heteroflow.stagemap.dp import (NEG, DictTable, Option, _Entry, _extend_1f1b, _insert, _lower_bound, _step_1f1b,
+                                   fill_bound, greedy, solve)
+from heteroflow.stagemap.pipeline import one_f_one_b_closed_form, pipeline_time
 
 
 def _value(choice, m, schedule):
-    return (pipeline_time([o.forward_s for o in choice], [o.backward_s for o in choice], m, schedule)
-            + max(o.tail_s for o in choice))
+    """The DP's objective: the closed forms (for 1F1B a lower bound on the makespan where a stage's backward is
+    faster than its forward, which these tables sometimes draw)."""
+    F, B = [o.forward_s for o in choice], [o.backward_s for o in choice]
+    pipe = one_f_one_b_closed_form(F, B, m) if schedule == "1f1b" else pipeline_time(F, B, m, schedule)
+    return pipe + max(o.tail_s for o in choice)
 
 
 def _brute(tables, num_layers, m, schedule):
@@ -85,3 +89,43 @@ def test_fill_bound_of_equal_stages():
     G = fill_bound(least, 4, 10)
     # one layer each: max_k (k + 10) over k = 0..3 -> 13
     assert G[0, 4] == 13.0
+
+
+def test_the_vectorised_1f1b_step_gives_the_same_floats_and_pruning_as_the_scalar_one():
+    rng = random.Random(7)
+    for _ in range(300):
+        m = rng.randint(1, 12)
+        u, n = rng.randint(0, m - 1), rng.randint(-1, 4)
+        front = [_Entry(start, None, None) for start in
+                 [(0.0, 0.0, 0.0, NEG, NEG, NEG, 0.0, 0.0, 0.0)] + [
+                     tuple(rng.uniform(0, 5) for _ in range(9)) for _ in range(rng.randint(0, 5))]]
+        opts = [Option(1, rng.uniform(0.1, 2), rng.uniform(0.1, 2), rng.uniform(0, 1), None)
+                for _ in range(rng.randint(1, 5))]
+        ahead, rem, last = rng.choice([-np.inf, rng.uniform(0, 3)]), rng.uniform(0, 3), rng.random() < 0.3
+        incumbent = rng.uniform(5, 40)
+        expected = []
+        for entry in front:
+            for o in opts:
+                vec = _step_1f1b(entry.vec, o, u, n, m)
+                if vec[0] + ahead < incumbent and _lower_bound(vec, rem, False, m, last) < incumbent:
+                    _insert(expected, _Entry(vec, entry, o))
+        got = []
+        columns = tuple(np.array([getattr(o, f) for o in opts]) for f in ("forward_s", "backward_s", "tail_s"))
+        _extend_1f1b(got, front, np.array([e.vec for e in front]), opts, columns, u, n, m, ahead, rem, last, incumbent)
+        assert [(e.vec, id(e.parent), id(e.option)) for e in got] == [
+            (e.vec, id(e.parent), id(e.option)) for e in expected]
+
+
+def test_fill_bound_sums_are_the_least_sums_of_stage_times():
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        p = int(rng.integers(1, 5))
+        num_layers = int(rng.integers(p, p + 6))
+        least = [np.cumsum(rng.uniform(0.1, 1.0, num_layers - p + 1)) for _ in range(p)]
+        _, S = fill_bound(least, num_layers, 4, sums=True)
+        for k in range(p):
+            for rest in range(p - k, num_layers - k + 1):
+                brute = min((sum(least[k + i][c - 1] for i, c in enumerate(split))
+                             for split in itertools.product(range(1, num_layers + 1), repeat=p - k)
+                             if sum(split) == rest), default=np.inf)
+                assert abs(S[k, rest] - brute) <= 1e-12 * max(1.0, brute)

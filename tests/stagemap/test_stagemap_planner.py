@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -136,3 +137,14 @@ def test_branch_and_bound_keeps_the_best_template_and_the_best_of_each_type():
     assert result.best[0] == pytest.approx(best, rel=1e-12)
     assert {k: v[0] for k, v in result.per_type.items()} == pytest.approx(per_type, rel=1e-12)
     assert result.solved < result.templates / 10  # the bounds prune most templates
+
+
+def test_the_layout_skyline_keeps_exactly_the_rows_no_other_row_beats():
+    from heteroflow.stagemap.options import _skyline
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        rows = rng.integers(0, 3, size=(int(rng.integers(0, 150)), int(rng.integers(1, 6)))).astype(float)
+        # of equal rows the first stays; any other row <= everywhere and smaller somewhere beats a row
+        expected = [i for i, r in enumerate(rows)
+                    if not any((rows[j] <= r).all() and ((rows[j] < r).any() or j < i) for j in range(len(rows)) if j != i)]
+        assert _skyline(rows) == expected
