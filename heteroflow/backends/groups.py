@@ -20,12 +20,12 @@ import datetime
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 import torch.distributed as dist
 
 from heteroflow.backends.rankmap import RankMap
 from heteroflow.backends.transport import DirectTransport, HostBridge
 from heteroflow.backends.vendor import DIRECT
+from heteroflow.devices.facade import Device
 from heteroflow.remap.executor import Transport
 
 
@@ -117,7 +117,7 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
 
     `emulate`: every group on gloo (CPU processes standing in for devices). `stage_host_tensors`: make
     bridges copy CPU tensors through their staging buffers anyway (tests, benchmarks).
-    Outside emulation, set each rank's device (`torch.cuda.set_device(info.local_device)`) first.
+    Outside emulation, make each rank's device current (`Device.set_current`) first.
     """
     if not dist.is_initialized():
         raise RuntimeError("join the world first: heteroflow.backends.init_world(rank_map)")
@@ -176,7 +176,7 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
     # a remap need not; a barrier per direct link, in boundary order (no cycles), sets them up.
     for k in sorted(links):
         if links[k].kind == DIRECT:
-            dist.barrier(group=links[k].group, **_barrier_device(links[k].backend, me.local_device))
+            dist.barrier(group=links[k].group, **_barrier_device(links[k].backend, Device.for_vendor(me.vendor, me.local_device)))
     return ProcessGroups(rank=rank, rank_map=rank_map, emulate=emulate,
                          backend="gloo" if emulate else rank_map.stages[me.stage].backend,
                          world=dist.group.WORLD, stage=mine["stage"], tp=mine["tp"], cp=mine["cp"], dp=mine["dp"],
@@ -185,6 +185,6 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, bridge_chu
                          next=links.get(me.stage), created=tuple(created))
 
 
-def _barrier_device(backend: str, local_device: int) -> dict:
-    """NCCL barriers want to know the device; other backends take no argument."""
-    return {"device_ids": [local_device]} if backend == "nccl" and torch.cuda.is_available() else {}
+def _barrier_device(backend: str, device: Device) -> dict:
+    """NCCL barriers want to know the device (where it is here); other backends take no argument."""
+    return {"device_ids": [device.index]} if backend == "nccl" and device.available else {}

@@ -122,6 +122,28 @@ class Device:
         probe = getattr(runtime, "is_bf16_supported", None)
         return bool(probe()) if probe is not None else False
 
+    @property
+    def available(self) -> bool:
+        """Whether this device is here: its runtime is installed and sees index `index` (the CPU always is).
+
+        Unlike every other call, never raises: for code that adapts to the machine rather than requiring it.
+        """
+        if self.kind == "cpu":
+            return True
+        try:
+            self._runtime()
+        except UserError:
+            return False
+        return True
+
+    def device_name(self) -> str:
+        """The name the runtime reports (`NVIDIA H100 80GB HBM3`, `Ascend910B2`); the CPU's model name."""
+        if self.kind == "cpu":
+            from heteroflow.devices.probe import cpu_model_name
+
+            return cpu_model_name()
+        return str(self._runtime().get_device_name(self.index))
+
     def set_current(self) -> None:
         """Make this the current device of its runtime (checks that it exists)."""
         if self.kind != "cpu":
