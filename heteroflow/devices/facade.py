@@ -136,14 +136,6 @@ class Device:
             return False
         return True
 
-    def device_name(self) -> str:
-        """The name the runtime reports (`NVIDIA H100 80GB HBM3`, `Ascend910B2`); the CPU's model name."""
-        if self.kind == "cpu":
-            from heteroflow.devices.probe import cpu_model_name
-
-            return cpu_model_name()
-        return str(self._runtime().get_device_name(self.index))
-
     def set_current(self) -> None:
         """Make this the current device of its runtime (checks that it exists)."""
         if self.kind != "cpu":

@@ -216,12 +216,11 @@ def _probe_ascend() -> list[LocalDevice]:
 
 def _probe_cpu() -> LocalDevice:
     """The host CPU: model name and total RAM."""
-    return LocalDevice(vendor="cpu", index=0, name=cpu_model_name(), memory_gib=_host_memory_bytes() / _GIB,
+    return LocalDevice(vendor="cpu", index=0, name=_cpu_model_name(), memory_gib=_host_memory_bytes() / _GIB,
                        catalog_name="cpu", torch_device="cpu")
 
 
-def cpu_model_name() -> str:
-    """The host CPU's model name (`/proc/cpuinfo`), or what the platform says elsewhere."""
+def _cpu_model_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
             for line in cpuinfo:
