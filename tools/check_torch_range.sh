@@ -34,12 +34,15 @@ if [ ! -x "$VENV/bin/python" ]; then
   python -m venv "$VENV"
 fi
 OLD_PY=$VENV/bin/python
-have=$("$OLD_PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+# pip from elsewhere: in the checkout (or under a PYTHONPATH naming it) it would take the checkout's
+# heteroflow.egg-info for an installed heteroflow and complain about its dependencies.
+venv_pip() { (cd "$OUT" && env -u PYTHONPATH "$OLD_PY" -m pip install -q "$@"); }
+have=$(cd "$OUT" && "$OLD_PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
 if [ "$have" != "$FLOOR" ]; then
-  "$OLD_PY" -m pip install -q "torch==$FLOOR"
+  venv_pip "torch==$FLOOR"
 fi
-"$OLD_PY" -m pip install -q 'numpy>=1.24' 'psutil>=5.9' 'pyyaml>=6.0' 'safetensors>=0.4'
-"$OLD_PY" -m pip install -q --no-deps -e "$REPO"
+venv_pip 'numpy>=1.24' 'psutil>=5.9' 'pyyaml>=6.0' 'safetensors>=0.4'
+venv_pip --no-deps -e "$REPO"
 old_version=$(cd "$OUT" && "$OLD_PY" -c 'import torch, heteroflow; print(torch.__version__)')
 new_version=$(cd "$OUT" && "$NEW_PY" -c 'import torch; print(torch.__version__)')
 echo "floor: $OLD_PY torch $old_version; newer: $NEW_PY torch $new_version"
