@@ -27,6 +27,20 @@ _ZERO3_CALLS = ("fully_shard", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffl
 over dp of gradients the runtime already scaled: FSDP2 before 2.8 always averaged)."""
 
 
+PARAMS_OFFLOAD_TORCH = "2.8"
+"""The first torch that tells which saved-tensor hooks are active (`offload.params` keeps its hooks beside them)."""
+
+
+def check_params_offload() -> None:
+    """A `UserError` unless this torch has what parameter offload (`offload.params: cpu|ssd`) calls."""
+    import torch
+
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        raise UserError(f"parameter offload (offload: {{params: cpu|ssd}}) needs torch >= {PARAMS_OFFLOAD_TORCH} (this "
+                        f"process has torch {torch.__version__}, which cannot tell which saved-tensor hooks are "
+                        "active); run this stage's ranks on a newer torch, or keep its parameters on the device")
+
+
 def fsdp2_for_zero3() -> ModuleType:
     """`torch.distributed.fsdp` when it has everything ZeRO-3 calls; a `UserError` naming what is missing and
     the torch that has it otherwise."""

@@ -15,7 +15,8 @@ import torch
 from torch.distributed import fsdp
 
 from conftest import REPO
-from heteroflow.devices.torch_support import TORCH_FLOOR, ZERO3_TORCH, fsdp2_for_zero3
+from heteroflow.devices.torch_support import PARAMS_OFFLOAD_TORCH, TORCH_FLOOR, ZERO3_TORCH, check_params_offload, \
+    fsdp2_for_zero3
 from heteroflow.errors import UserError
 from heteroflow.launcher.launch import aware_rendezvous_clock
 
@@ -24,7 +25,8 @@ def test_pyproject_and_readme_state_the_floor():
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={TORCH_FLOOR}" in dependencies
     readme = (REPO / "README.md").read_text()
-    assert f"torch >= {TORCH_FLOOR}" in readme and f"torch >= {ZERO3_TORCH}" in readme
+    assert f"torch >= {TORCH_FLOOR}" in readme and f"need torch >= {ZERO3_TORCH}" in readme
+    assert ZERO3_TORCH == PARAMS_OFFLOAD_TORCH  # the README gives one version for both
 
 
 def test_zero3_runs_on_this_torch():
@@ -50,6 +52,20 @@ def test_zero3_on_a_torch_with_fsdp2_only_private_is_refused(monkeypatch):
         monkeypatch.delattr(fsdp, name)
     with pytest.raises(UserError, match=r"lacks fully_shard, OffloadPolicy, CPUOffloadPolicy\);"):
         fsdp2_for_zero3()
+
+
+def test_params_offload_on_a_torch_that_cannot_see_the_active_hooks_is_refused_by_name(monkeypatch):
+    from heteroflow.devices import Device
+    from heteroflow.offload.params import OffloadedParams
+    from heteroflow.offload.store import TieredStore
+
+    check_params_offload()  # this torch has it
+    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")  # torch < 2.8
+    store = TieredStore(device=Device.cpu())
+    want = (f"parameter offload (offload: {{params: cpu|ssd}}) needs torch >= {PARAMS_OFFLOAD_TORCH} (this process "
+            f"has torch {torch.__version__}, which cannot tell which saved-tensor hooks are active)")
+    with pytest.raises(UserError, match=re.escape(want)):
+        OffloadedParams([torch.nn.Linear(4, 4)], store=store, tier="cpu")
 
 
 OLD_RENDEZVOUS = """\
