@@ -89,3 +89,39 @@ def test_only_devices_touches_torch_npu_or_torch_version_hip():
         "\n".join(outside)
     kinds = " ".join(inside)
     assert "torch_npu" in kinds and "hip" in kinds, inside  # the scan does see the probes where they belong
+
+
+VENDOR_RUNTIMES = ("torch.cuda", "torch.npu", "torch.xpu", "torch.mps", "torch.version.cuda", "torch.backends.cuda",
+                   "torch.backends.cudnn")
+"""torch's per-vendor runtime modules: whoever names one has picked a vendor, which only `devices/` may do."""
+
+
+def _vendor_runtime_uses(path: Path) -> list[str]:
+    """Where `path` names a vendor runtime (`torch.cuda.synchronize()`, `from torch import cuda`, `import
+    torch.npu`) or moves a tensor with `.cuda()` / `.npu()`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        named: list[str] = []
+        if isinstance(node, ast.Attribute):
+            named = [ast.unparse(node)]  # `torch.cuda` is its own node inside `torch.cuda.synchronize`
+        elif isinstance(node, ast.Import):
+            named = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            named = [f"{node.module}.{a.name}" for a in node.names]
+        hits = [n for n in named if any(n == r or (not isinstance(node, ast.Attribute) and n.startswith(r + "."))
+                                        for r in VENDOR_RUNTIMES)]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("cuda", "npu"):
+            hits.append(ast.unparse(node))
+        found.extend(f"{path.relative_to(REPO)}:{node.lineno}: {hit}" for hit in hits)
+    return found
+
+
+def test_only_devices_names_a_vendor_runtime():
+    """Everything else asks `devices.Device` (the facade), so an Ascend or ROCm machine runs its own accelerator
+    where a direct `torch.cuda` call would silently fall back to the CPU (as `heteroflow profile` once did)."""
+    devices = REPO / "heteroflow" / "devices"
+    outside, inside = [], []
+    for path in sorted((REPO / "heteroflow").rglob("*.py")):
+        (inside if devices in path.parents else outside).extend(_vendor_runtime_uses(path))
+    assert not outside, "only heteroflow/devices/ may name a vendor runtime; ask devices.Device:\n" + "\n".join(outside)
+    assert any("torch.cuda" in use for use in inside) and any("torch.npu" in use for use in inside), inside

@@ -33,14 +33,13 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import torch
 import torch.distributed as dist
-import torch.distributed.config as dist_config
 from torch.distributed import distributed_c10d
 
 from heteroflow.backends.rankmap import RankMap
 from heteroflow.backends.transport import DirectTransport, HostBridge
 from heteroflow.backends.vendor import DIRECT
+from heteroflow.devices.facade import Device
 from heteroflow.remap.executor import Transport
 
 
@@ -189,8 +188,17 @@ def plan_groups(rank_map: RankMap, *, emulate: bool = False) -> tuple[GroupSpec,
 def local_creation_supported() -> bool:
     """Whether a rank may create only its own groups (see the module docstring): no init barrier, no TorchComms
     splits, no world bound to a device."""
-    return (os.environ.get("TORCH_DIST_INIT_BARRIER", "0") != "1" and not dist_config.use_torchcomms
+    return (os.environ.get("TORCH_DIST_INIT_BARRIER", "0") != "1" and not _torchcomms_enabled()
             and getattr(dist.group.WORLD, "bound_device_id", None) is None)
+
+
+def _torchcomms_enabled() -> bool:
+    # torch.distributed.config (and TorchComms) came after torch 2.4, the floor: absent means off.
+    try:
+        import torch.distributed.config as dist_config
+    except ImportError:
+        return False
+    return bool(getattr(dist_config, "use_torchcomms", False))
 
 
 def _create_groups(order: Sequence[GroupSpec], rank: int, *, fake: bool, timeout: datetime.timedelta | None,
@@ -229,7 +237,7 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, fake: bool
     False calls `new_group` for every group of the plan. `stage_host_tensors`: make bridges copy CPU tensors
     through their staging buffers anyway (tests, benchmarks). `backend_names`: what a backend is registered as
     here when not under its own name (`heteroflow.testing.strict`'s CPU stand-ins).
-    Outside emulation, set each rank's device (`torch.cuda.set_device(info.local_device)`) first.
+    Outside emulation, make each rank's device current (`Device.set_current`) first.
     """
     if not dist.is_initialized():
         raise RuntimeError("join the world first: heteroflow.backends.init_world(rank_map)")
@@ -261,7 +269,8 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, fake: bool
     # a remap need not; a barrier per direct link, in boundary order (no cycles), sets them up.
     for k in sorted(links):
         if links[k].kind == DIRECT:
-            dist.barrier(group=links[k].group, **_barrier_device(links[k].backend, me.local_device))
+            device = Device.for_vendor(me.vendor, me.local_device)
+            dist.barrier(group=links[k].group, **_barrier_device(links[k].backend, device))
     return ProcessGroups(rank=rank, rank_map=rank_map, emulate=emulate,
                          backend="gloo" if emulate else rank_map.stages[me.stage].backend, fake=fake,
                          world=dist.group.WORLD, stage=mine["stage"], tp=mine["tp"], cp=mine["cp"], dp=mine["dp"],
@@ -271,6 +280,6 @@ def build_process_groups(rank_map: RankMap, *, emulate: bool = False, fake: bool
                          backend_names=names)
 
 
-def _barrier_device(backend: str, local_device: int) -> dict:
-    """NCCL barriers want to know the device; other backends take no argument."""
-    return {"device_ids": [local_device]} if backend == "nccl" and torch.cuda.is_available() else {}
+def _barrier_device(backend: str, device: Device) -> dict:
+    """NCCL barriers want to know the device (where it is here); other backends take no argument."""
+    return {"device_ids": [device.index]} if backend == "nccl" and device.available else {}

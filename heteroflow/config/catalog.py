@@ -49,6 +49,31 @@ _SPECS = (
                hbm_gb_per_s=3350, intra_node_gb_per_s=450, host_link_gb_per_s=_PCIE5,
                source="NVIDIA H100 datasheet (SXM5; 1979 TFLOP/s is with sparsity); "
                       "NVLink4 900 GB/s bidirectional"),
+    DeviceSpec(name="nvidia-h100-pcie", vendor="nvidia", memory_gib=80,
+               tflops_bf16=756, tflops_fp16=756, tflops_fp32=51,
+               hbm_gb_per_s=2000, intra_node_gb_per_s=300, host_link_gb_per_s=_PCIE5,
+               source="NVIDIA H100 datasheet (PCIe 80GB HBM2e; 1513 TFLOP/s is with sparsity); "
+                      "NVLink bridge 600 GB/s bidirectional between pairs, PCIe Gen5 otherwise"),
+    DeviceSpec(name="nvidia-h100-nvl", vendor="nvidia", memory_gib=94,
+               tflops_bf16=835, tflops_fp16=835, tflops_fp32=60,
+               hbm_gb_per_s=3900, intra_node_gb_per_s=300, host_link_gb_per_s=_PCIE5,
+               source="NVIDIA H100 NVL datasheet (94 GB HBM3; 1671 TFLOP/s is with sparsity); "
+                      "NVLink bridge 600 GB/s bidirectional between pairs, PCIe Gen5 otherwise"),
+    DeviceSpec(name="nvidia-h200", vendor="nvidia", memory_gib=141,
+               tflops_bf16=989, tflops_fp16=989, tflops_fp32=67,
+               hbm_gb_per_s=4800, intra_node_gb_per_s=450, host_link_gb_per_s=_PCIE5,
+               source="NVIDIA H200 datasheet (SXM, 141 GB HBM3e; 1979 TFLOP/s is with sparsity); "
+                      "NVLink4 900 GB/s bidirectional"),
+    DeviceSpec(name="nvidia-h200-nvl", vendor="nvidia", memory_gib=141,
+               tflops_bf16=835, tflops_fp16=835, tflops_fp32=60,
+               hbm_gb_per_s=4800, intra_node_gb_per_s=450, host_link_gb_per_s=_PCIE5,
+               source="NVIDIA H200 datasheet (NVL, PCIe card, 141 GB HBM3e; 1671 TFLOP/s is with sparsity); "
+                      "2- or 4-way NVLink bridge 900 GB/s bidirectional"),
+    DeviceSpec(name="nvidia-b200", vendor="nvidia", memory_gib=180,
+               tflops_bf16=2250, tflops_fp16=2250, tflops_fp32=75,
+               hbm_gb_per_s=8000, intra_node_gb_per_s=900, host_link_gb_per_s=_PCIE5,
+               source="NVIDIA HGX B200 datasheet per GPU (8 GPUs: 36 PFLOP/s bf16 with sparsity, 600 TFLOP/s "
+                      "fp32, 1.44 TB HBM3e at 64 TB/s); NVLink5 1.8 TB/s bidirectional"),
     DeviceSpec(name="nvidia-h800", vendor="nvidia", memory_gib=80,
                tflops_bf16=989, tflops_fp16=989, tflops_fp32=67,
                hbm_gb_per_s=3350, intra_node_gb_per_s=200, host_link_gb_per_s=_PCIE5,
@@ -117,6 +142,14 @@ _SPECS = (
                tflops_bf16=280, tflops_fp16=280, tflops_fp32=None,
                hbm_gb_per_s=800, intra_node_gb_per_s=196, host_link_gb_per_s=_PCIE5,
                source=f"{_APPROX}: 32 GB HBM2e; {_HCCS_910B}", topology=_MESH_910B),
+    # The 910C is two 910B-class dies in one package; torch_npu shows each die as a device
+    # (`Ascend910_9392`), so an entry is one die: half the package's 752 TFLOP/s, 128 GB and 3.2 TB/s.
+    DeviceSpec(name="ascend-910c", vendor="ascend", memory_gib=64,
+               tflops_bf16=376, tflops_fp16=376, tflops_fp32=None,
+               hbm_gb_per_s=1600, intra_node_gb_per_s=196, host_link_gb_per_s=_PCIE5,
+               source=f"{_APPROX}: one die of the dual-die package (Huawei, 'Serving Large Language Models on "
+                      "Huawei CloudMatrix384', 2025: 752 TFLOP/s bf16 dense, 128 GB, 3.2 TB/s and 392 GB/s "
+                      "unidirectional UB per package)"),
     # The CPU "device" every emulated rank runs on. Measured, not published: torch 2.13 CPU build,
     # 2 threads per rank, 2048-4096 square matmuls; memory copy for HBM and host link; gloo
     # send/recv between two local processes for intra-node. memory_gib is a per-rank budget.
@@ -135,6 +168,7 @@ ALIASES: dict[str, str] = {
     "ascend-910b": "ascend-910b3",  # the 64 GB / ~313 TFLOP/s part quoted as "the 910B"
     "ascend-910": "ascend-910a",
     "nvidia-h100": "nvidia-h100-sxm",
+    "nvidia-h200-sxm": "nvidia-h200",
     "hygon-k100_ai": "hygon-k100-ai",
 }
 """Other spellings `lookup` accepts, mapped to catalog names."""

@@ -122,6 +122,20 @@ class Device:
         probe = getattr(runtime, "is_bf16_supported", None)
         return bool(probe()) if probe is not None else False
 
+    @property
+    def available(self) -> bool:
+        """Whether this device is here: its runtime is installed and sees index `index` (the CPU always is).
+
+        Unlike every other call, never raises: for code that adapts to the machine rather than requiring it.
+        """
+        if self.kind == "cpu":
+            return True
+        try:
+            self._runtime()
+        except UserError:
+            return False
+        return True
+
     def set_current(self) -> None:
         """Make this the current device of its runtime (checks that it exists)."""
         if self.kind != "cpu":

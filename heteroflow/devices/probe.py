@@ -7,6 +7,7 @@ torch with a mismatched torch_npu installed must still probe, plan and emulate.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -47,8 +48,23 @@ class LocalDevice:
 
 
 def probe_local_devices() -> list[LocalDevice]:
-    """Accelerators found here (CUDA or ROCm, then Ascend), followed by the CPU, which is always present."""
-    return [*_probe_cuda_like(), *_probe_ascend(), _probe_cpu()]
+    """Accelerators found here (CUDA or ROCm, then Ascend), followed by the CPU, which is always present.
+
+    An accelerator no catalog entry matches keeps `catalog_name=None` (never the nearest entry: a wrong match
+    plans with wrong rates and memory) and is logged once as a warning naming it and how to declare it.
+    """
+    found = [*_probe_cuda_like(), *_probe_ascend(), _probe_cpu()]
+    for device in found:
+        if device.catalog_name is None:
+            _warn_unmatched(device.torch_device, device.name, round(device.memory_gib, 1))
+    return found
+
+
+@functools.cache  # once per device and process: probing is repeated
+def _warn_unmatched(torch_device: str, name: str, memory_gib: float) -> None:
+    log.warning("%s: %r (%.1f GiB) matches no chip in the catalog; describe it under cluster.device_types in the "
+                "job YAML (a new name with vendor, memory_gib and peak rates; `heteroflow devices --catalog` lists "
+                "the fields) and pass that name to `heteroflow profile --device-type`", torch_device, name, memory_gib)
 
 
 def import_torch_npu() -> ModuleType | None:
@@ -96,14 +112,20 @@ def _has(model: str, upper_name: str) -> bool:
 
 
 def _match_nvidia(upper: str, _token: str, memory_gib: float | None) -> str | None:
+    # Names as torch reports them: 'NVIDIA H100 80GB HBM3' (SXM), 'NVIDIA H100 PCIe', 'NVIDIA H100 NVL',
+    # 'NVIDIA H200', 'NVIDIA H200 NVL', 'NVIDIA B200'. Token matches, so 'H20' is not 'H200' nor 'B200' 'GB200'.
     large = memory_gib is None or memory_gib >= 60
+    nvl = _has("NVL", upper)
     if _has("A100", upper):
         return "nvidia-a100-80g" if large else "nvidia-a100-40g"
     if _has("A800", upper):
         return "nvidia-a800-80g"
     if _has("H100", upper):
-        # The catalog entry is the SXM part; PCIe and NVL cards have other clocks and links.
-        return None if ("PCIE" in upper or "NVL" in upper) else "nvidia-h100-sxm"
+        return "nvidia-h100-nvl" if nvl else "nvidia-h100-pcie" if "PCIE" in upper else "nvidia-h100-sxm"
+    if _has("H200", upper):
+        return "nvidia-h200-nvl" if nvl else "nvidia-h200"
+    if _has("B200", upper):
+        return "nvidia-b200"
     if _has("H800", upper):
         return "nvidia-h800"
     if _has("H20", upper):
@@ -134,6 +156,10 @@ def _match_hygon(_upper: str, token: str, _memory_gib: float | None) -> str | No
 
 
 def _match_ascend(_upper: str, token: str, _memory_gib: float | None) -> str | None:
+    # The 910C's dies report their SoC version ('Ascend910_9392', 'Ascend910_9381': the A3 training parts);
+    # other 910_93xx bins are left unmatched rather than priced as these.
+    if re.search(r"910C(?![0-9A-Z])", token) or re.search(r"91093[89][12](?![0-9])", token):
+        return "ascend-910c"
     variant = re.search(r"910B([1-4])", token)
     if variant:
         return f"ascend-910b{variant.group(1)}"

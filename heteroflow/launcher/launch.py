@@ -14,6 +14,8 @@ workers by node rank (the order nodes joined) then local rank, which need not be
 from __future__ import annotations
 
 import contextlib
+import datetime
+import inspect
 import logging
 import os
 import shutil
@@ -23,6 +25,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Iterator, Mapping
 
 from heteroflow.errors import UserError
@@ -86,6 +89,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def aware_rendezvous_clock(rendezvous: ModuleType) -> None:
+    """Stamp torch elastic's rendezvous heartbeats and deadlines in timezone-aware UTC on a torch that stamps
+    them naive (`datetime.utcnow()`, torch before 2.6), so nodes running torch on both sides of 2.6 can meet.
+
+    The nodes share one rendezvous state, pickled into the store; torch 2.6 and later compare its stamps with
+    `datetime.now(timezone.utc)`, and an aware stamp compared with a naive one raises TypeError in every agent.
+    `rendezvous` is `torch.distributed.elastic.rendezvous.dynamic_rendezvous`; a torch already aware is left as
+    it is.
+    """
+    if "utcnow()" not in inspect.getsource(rendezvous) or rendezvous.datetime is _AwareUTC:
+        return
+    rendezvous.datetime = _AwareUTC
+
+
+class _AwareUTC(datetime.datetime):
+    """`datetime` whose `utcnow()` is aware, as torch 2.6+ stamps (the rest is `datetime`'s own)."""
+
+    @classmethod
+    def utcnow(cls) -> datetime.datetime:  # type: ignore[override]
+        return datetime.datetime.now(datetime.timezone.utc)
+
+
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run `entrypoint(*args)` on every local rank; return each rank's return value by plan rank, or raise
     `TrainingFailed` (`RendezvousFailed` when the nodes could not meet)."""
@@ -97,6 +122,9 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
 
     if spec.num_processes < 1:
         raise UserError("nothing to launch: the plan uses no devices")
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    aware_rendezvous_clock(dynamic_rendezvous)
     temporary = spec.log_dir is None  # ours to remove after a success; kept (and named) after a failure
     log_dir = spec.log_dir or tempfile.mkdtemp(prefix=LOG_DIR_PREFIX)
     Path(log_dir).mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,14 @@
 """This machine's profile, the measurements behind `heteroflow profile` (imports torch lazily):
 
-- GEMM throughput of square n x n x n matmuls over sizes and dtypes, on the local device;
+- GEMM throughput of square n x n x n matmuls over sizes and dtypes, on the local device (the first
+  accelerator `heteroflow.devices` finds, through its `Device` facade; the CPU when there is none);
 - device memory bandwidth (a large copy) and the device-host link (pinned copies; the same copy on CPU);
 - the cost of one small kernel (launch and dispatch overhead);
 - one host CPU thread running heteroflow's code (`cpu_thread`, what an emulated rank uses; see
   `measure.thread`);
-- the link between two local processes over the backend in use (gloo on CPU, nccl with two GPUs), in a
-  child process pair on a free port, with a timeout (fastest round trips: waiting for a core is not the link);
+- the link between two local processes over the backend in use (gloo on CPU; nccl or hccl with two of the
+  vendor's devices), in a child process pair on a free port, with a timeout (fastest round trips: waiting for
+  a core is not the link);
 - sequential disk write and read with O_DIRECT (aligned buffers), falling back to fsync + dropping the
   page cache where the file system refuses O_DIRECT (the profile says which);
 - on a CPU host, what emulated ranks pay beyond those rates (`emulation`: all-reduces between busy processes,
@@ -22,89 +24,83 @@ import tempfile
 import time
 
 from heteroflow.config.catalog import CATALOG
+from heteroflow.devices import Device, LocalDevice, probe_local_devices
 from heteroflow.errors import UserError
 from heteroflow.measure.emulation import measure_emulation
 from heteroflow.measure.thread import measure_cpu_thread
-from heteroflow.measure.timing import PROFILE_DTYPES, square_gemm_tflops, sync_for, time_calls
+from heteroflow.measure.timing import PROFILE_DTYPES, square_gemm_tflops, time_calls
 from heteroflow.stagemap.profile import DeviceProfile, DiskProfile, HostProfile, LinkProfile, Profile
 
 
 def measure_profile(*, quick: bool = False, device_type: str | None = None, disk_dir: str | None = None,
                     link: bool = True, link_timeout_s: float = 60.0) -> Profile:
-    """Measure this machine. `quick` uses small sizes (seconds, for tests)."""
+    """Measure this machine's first accelerator (CUDA, ROCm or Ascend, as `devices` probes them), or its CPU
+    when it has none. `quick` uses small sizes (seconds, for tests)."""
     import torch
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda:0" if cuda else "cpu")
-    name = torch.cuda.get_device_name(0) if cuda else _cpu_name()
-    dtype_name, vendor = _device_type(device_type, name, cuda)
-    sizes = (64, 128, 256) if quick else (256, 512, 1024, 2048, 4096) if cuda else (128, 256, 512, 1024, 2048)
+    found = probe_local_devices()
+    local = found[0]  # accelerators come first; the CPU is always last
+    device = Device.from_local(local)
+    accelerator = device.kind != "cpu"
+    dtype_name, vendor = _device_type(device_type, local)
+    sizes = (64, 128, 256) if quick else (256, 512, 1024, 2048, 4096) if accelerator else (128, 256, 512, 1024, 2048)
     budget = 0.02 if quick else 0.25
+    device.set_current()
     gemm = {prec: tuple((n, square_gemm_tflops(torch, device, n, getattr(torch, dt), budget)) for n in sizes)
             for prec, dt in PROFILE_DTYPES.items()}
     copy_mib = 16 if quick else 256
     memory_gb_per_s = _copy_gb_per_s(torch, device, copy_mib, budget)
-    host_gb_per_s = _host_link_gb_per_s(torch, copy_mib, budget) if cuda else memory_gb_per_s
-    host_mem = _copy_gb_per_s(torch, torch.device("cpu"), copy_mib, budget) if cuda else memory_gb_per_s
-    dev = DeviceProfile(device_type=dtype_name, vendor=vendor, description=f"{name} ({torch.get_num_threads()} threads)"
-                        if not cuda else name, memory_gib=_memory_gib(torch, cuda),
+    host_gb_per_s = _host_link_gb_per_s(torch, device, copy_mib, budget) if accelerator else memory_gb_per_s
+    host_mem = _copy_gb_per_s(torch, Device.cpu(), copy_mib, budget) if accelerator else memory_gb_per_s
+    dev = DeviceProfile(device_type=dtype_name, vendor=vendor,
+                        description=local.name if accelerator else f"{local.name} ({torch.get_num_threads()} threads)",
+                        memory_gib=device.total_memory_bytes() / 2**30,
                         memory_gb_per_s=memory_gb_per_s, host_link_gb_per_s=host_gb_per_s,
                         launch_overhead_s=_launch_s(torch, device, 200 if quick else 2000), gemm_tflops=gemm)
     host = HostProfile(name=socket.gethostname(), cpu_cores=os.cpu_count() or 1, memory_gib=_host_memory_gib(),
                        memory_gb_per_s=host_mem)
-    link_profile = _measure_link(cuda and torch.cuda.device_count() >= 2, 4 if quick else 64, link_timeout_s) if link else None
+    # Two local processes over the vendor's backend when there are two such devices, else gloo on the host.
+    pair = accelerator and sum(d.vendor == local.vendor for d in found) >= 2
+    link_profile = (_measure_link(local.vendor if pair else None, 4 if quick else 64, link_timeout_s)
+                    if link else None)
     disk = _measure_disk(disk_dir or tempfile.gettempdir(), 16 if quick else 256)
     cpu_thread = measure_cpu_thread(quick=quick)
     emulation = (measure_emulation(quick=quick, timeout_s=2 * link_timeout_s,
-                                   allreduce_gb_per_s=link_profile.allreduce_gb_per_s) if link and not cuda else None)
+                                   allreduce_gb_per_s=link_profile.allreduce_gb_per_s)
+                 if link and not accelerator else None)
     return Profile(host=host, devices=(dev,), link=link_profile, disk=disk, cpu_thread=cpu_thread,
                    emulation=emulation)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU"
-
-
-def _device_type(given: str | None, name: str, cuda: bool) -> tuple[str, str]:
-    """(device type the profile describes, vendor)."""
-    from heteroflow.config.catalog import CATALOG
+def _device_type(given: str | None, local: LocalDevice) -> tuple[str, str]:
+    """(device type the profile describes, vendor): `given` (`--device-type`), else the catalog entry the
+    probe matched to the device's reported name."""
     if given is not None:
         spec = CATALOG.get(given)
-        return given, spec.vendor if spec else ("cpu" if not cuda else "nvidia")
-    if not cuda:
-        return "cpu", "cpu"
-    lowered = name.lower().replace(" ", "-")
-    for key, spec in CATALOG.items():
-        model = key.split("-", 1)[1].split("-")[0] if "-" in key else key
-        if spec.vendor != "cpu" and model and model in lowered:
-            return key, spec.vendor
-    raise UserError(f"cannot tell which catalog entry {name!r} is; pass --device-type NAME "
-                    "(see `heteroflow devices --catalog`)")
+        return given, spec.vendor if spec else local.vendor
+    if local.catalog_name is not None:
+        return local.catalog_name, local.vendor
+    raise UserError(f"{local.torch_device}: no catalog entry matches {local.name!r} "
+                    f"({local.memory_gib:.0f} GiB); pass --device-type NAME with a catalog name "
+                    "(`heteroflow devices --catalog`) or a name you describe under cluster.device_types")
 
 
-def _copy_gb_per_s(torch, device, mib: int, budget_s: float) -> float:
-    src = torch.empty(mib << 18, dtype=torch.float32, device=device).fill_(1.0)
+def _copy_gb_per_s(torch, device: Device, mib: int, budget_s: float) -> float:
+    src = torch.empty(mib << 18, dtype=torch.float32, device=device.torch_device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = time_calls(lambda: dst.copy_(src), budget_s, sync_for(torch, device))
+    seconds = time_calls(lambda: dst.copy_(src), budget_s, device.synchronize)
     return 2.0 * src.numel() * 4 / seconds / 1e9  # read + write
 
 
-def _host_link_gb_per_s(torch, mib: int, budget_s: float) -> float:
-    host = torch.empty(mib << 18, dtype=torch.float32).pin_memory()
-    dev = torch.empty(mib << 18, dtype=torch.float32, device="cuda:0")
-    seconds = time_calls(lambda: dev.copy_(host, non_blocking=True), budget_s, lambda: torch.cuda.synchronize())
+def _host_link_gb_per_s(torch, device: Device, mib: int, budget_s: float) -> float:
+    host = device.pinned_empty((mib << 18,), torch.float32)
+    dev = torch.empty(mib << 18, dtype=torch.float32, device=device.torch_device)
+    seconds = time_calls(lambda: dev.copy_(host, non_blocking=True), budget_s, device.synchronize)
     return host.numel() * 4 / seconds / 1e9
 
 
-def _launch_s(torch, device, calls: int) -> float:
-    x = torch.zeros(1, device=device)
-    sync = sync_for(torch, device)
+def _launch_s(torch, device: Device, calls: int) -> float:
+    x = torch.zeros(1, device=device.torch_device)
+    sync = device.synchronize
     x.add_(1)
     sync()
     start = time.perf_counter()
@@ -112,12 +108,6 @@ def _launch_s(torch, device, calls: int) -> float:
         x.add_(1)
     sync()
     return (time.perf_counter() - start) / calls
-
-
-def _memory_gib(torch, cuda: bool) -> float:
-    if cuda:
-        return torch.cuda.get_device_properties(0).total_memory / 2**30
-    return _host_memory_gib()
 
 
 def _host_memory_gib() -> float:
@@ -134,14 +124,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _measure_link(nccl: bool, mib: int, timeout_s: float) -> LinkProfile:
-    """Ping-pong between two local processes: latency from 4-byte messages, bandwidth from `mib` MiB; and
+def _measure_link(vendor: str | None, mib: int, timeout_s: float) -> LinkProfile:
+    """Ping-pong between two local processes (on `vendor`'s devices 0 and 1 over its backend; on the host
+    over gloo when None): latency from 4-byte messages, bandwidth from `mib` MiB; and
     all-reduces of the same two buffers (collectives pay more per byte and per step than point-to-point)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_link_worker, args=(rank, port, nccl, mib, queue), daemon=True) for rank in range(2)]
+    procs = [ctx.Process(target=_link_worker, args=(rank, port, vendor, mib, queue), daemon=True) for rank in range(2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -160,18 +151,17 @@ def _measure_link(nccl: bool, mib: int, timeout_s: float) -> LinkProfile:
                        allreduce_latency_s=reduce_latency_s)
 
 
-def _link_worker(rank: int, port: int, nccl: bool, mib: int, queue) -> None:
+def _link_worker(rank: int, port: int, vendor: str | None, mib: int, queue) -> None:
     import torch
     import torch.distributed as dist
-    backend = "nccl" if nccl else "gloo"
     try:
-        if nccl:
-            torch.cuda.set_device(rank)
+        device = Device.for_vendor(vendor, rank) if vendor is not None else Device.cpu()
+        device.set_current()
+        backend = device.collective_backend
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=__import__("datetime").timedelta(seconds=60))
-        device = torch.device(f"cuda:{rank}" if nccl else "cpu")
-        small = torch.zeros(1, device=device)
-        big = torch.zeros(mib << 18, device=device)
+        small = torch.zeros(1, device=device.torch_device)
+        big = torch.zeros(mib << 18, device=device.torch_device)
 
         def ping(t: torch.Tensor, rounds: int) -> float:
             """One-way seconds: the fastest of `rounds` round trips, halved. The fastest, because on a
@@ -185,8 +175,7 @@ def _link_worker(rank: int, port: int, nccl: bool, mib: int, queue) -> None:
                 else:
                     dist.recv(t, 0)
                     dist.send(t, 0)
-                if nccl:
-                    torch.cuda.synchronize()
+                device.synchronize()
                 best = min(best, time.perf_counter() - start)
             return best / 2
 
@@ -197,8 +186,7 @@ def _link_worker(rank: int, port: int, nccl: bool, mib: int, queue) -> None:
                 dist.barrier()
                 start = time.perf_counter()
                 dist.all_reduce(t)
-                if nccl:
-                    torch.cuda.synchronize()
+                device.synchronize()
                 best = min(best, time.perf_counter() - start)
             return best
 

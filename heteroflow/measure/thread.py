@@ -26,6 +26,7 @@ import statistics
 import time
 
 from heteroflow.config.model import ModelSpec
+from heteroflow.devices import Device
 from heteroflow.measure.timing import PROFILE_DTYPES, square_gemm_tflops, time_calls
 from heteroflow.stagemap.compute import elementwise_elements
 from heteroflow.stagemap.profile import ATTENTION_PROBE_SEQ, ThreadProfile
@@ -77,7 +78,7 @@ def measure_cpu_thread(*, quick: bool = False) -> ThreadProfile:
 
 def _one_round(torch, sizes: tuple[int, ...], head_dims: tuple[int, ...], *, budget_s: float) -> dict[tuple, float]:
     """Every figure once, keyed by (what, precision, size), (what, precision) or (what,)."""
-    cpu = torch.device("cpu")
+    cpu = Device.cpu()
     out: dict[tuple, float] = {}
     for prec, name in PROFILE_DTYPES.items():
         dtype = getattr(torch, name)

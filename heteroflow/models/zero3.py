@@ -45,8 +45,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from heteroflow.devices.torch_support import fsdp2_for_zero3
 from heteroflow.layout.shards import counted_once
 from heteroflow.models.data_parallel import all_reduce_via_host
 from heteroflow.models.shard import ParamShard, set_shard, shard_of
@@ -65,20 +65,23 @@ def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: 
     `CPUOffloadPolicy`: copied to the device for each all-gather, gradient shards copied back as reduced), in
     pinned memory on an accelerator unless `swapped` (the caller frees and reallocates their storage between
     steps, which pinned memory does not allow). Parameters keep their names and `ParamShard` records.
+    A torch older than `devices.torch_support.ZERO3_TORCH` is a `UserError` saying so.
     """
+    fsdp = fsdp2_for_zero3()
     shards = {name: shard_of(param) for name, param in model.named_parameters()}
     with unset_fake_temporarily():  # a dry run builds under FakeTensorMode; the mesh's rank table must be real
         mesh = DeviceMesh.from_group(dp_group, device_type)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     units: list[nn.Module] = list(blocks)
     tied_here = model.embed is not None and model.head is not None and model.head.weight is model.embed.weight
     if not tied_here:  # a parameter shared by two units cannot be sharded twice: then the root holds both
         units = [m for m in (model.embed, *blocks, model.head) if m is not None]
-    offload = CPUOffloadPolicy(pin_memory=device_type != "cpu" and not swapped) if shards_on_host else OffloadPolicy()
+    offload = (fsdp.CPUOffloadPolicy(pin_memory=device_type != "cpu" and not swapped) if shards_on_host
+               else fsdp.OffloadPolicy())
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
+        fsdp.fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
+    fsdp.fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True, offload_policy=offload)
     for unit, after in zip(units, units[1:]):
         unit.set_modules_to_forward_prefetch([after])
     # Sum over dp (the runtime scales the loss by 1 / global tokens); SUM is also the one op every backend has.
@@ -93,9 +96,9 @@ def shard_stage_zero3(model: nn.Module, *, dp_group: ProcessGroup, device_type: 
 def gathered_bytes(model: nn.Module) -> int:
     """Bytes FSDP2 holds gathered right now over every unit of `model`: the unsharded parameters of the units
     in use, and the all-gather buffers of prefetched units not yet copied out."""
-    total = 0
+    total, fsdp = 0, fsdp2_for_zero3()
     for module in model.modules():
-        if not isinstance(module, FSDPModule):
+        if not isinstance(module, fsdp.FSDPModule):
             continue
         group = module._get_fsdp_state()._fsdp_param_group  # private: FSDP2 exposes no census of its buffers
         if group is None:

@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from heteroflow.devices.torch_support import check_params_offload
 from heteroflow.offload.store import TieredStore
 
 GradSink = Callable[[str, list], None]
@@ -46,6 +47,7 @@ class OffloadedParams:
                  names: Sequence[str] | None = None, grad_sink: GradSink | None = None,
                  prefetch: bool = True) -> None:
         assert tier in ("cpu", "ssd"), "params on the device need no OffloadedParams"
+        check_params_offload()
         self.store, self.tier, self.grad_sink, self.prefetch_next = store, tier, grad_sink, prefetch
         self.names = list(names) if names is not None else [f"block{i}" for i in range(len(blocks))]
         assert len(self.names) == len(blocks)

@@ -144,7 +144,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, config: dict,
         dist.init_process_group(config["backend"], store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = fn(rank, world_size, *args, **kwargs)
         Path(result).write_bytes(pickle.dumps(value))
-        dist.destroy_process_group()  # only on success: a failed rank exits at once instead
+        # Only on success (a failed rank exits at once instead), and together, as the worker ends: on torch 2.4
+        # a gloo rank destroying its group after its peer's process is gone waits forever.
+        dist.barrier()
+        dist.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()

@@ -13,9 +13,10 @@ from heteroflow.devices.report import catalog_json, format_catalog
 from heteroflow.errors import UserError
 
 REQUIRED = [
-    "nvidia-a100-40g", "nvidia-a100-80g", "nvidia-a800-80g", "nvidia-h100-sxm", "nvidia-h800",
-    "nvidia-h20", "nvidia-v100-32g", "amd-mi250x", "amd-mi300x", "hygon-z100", "hygon-k100",
-    "hygon-bw1000", "ascend-910a", "ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4",
+    "nvidia-a100-40g", "nvidia-a100-80g", "nvidia-a800-80g", "nvidia-h100-sxm", "nvidia-h100-pcie",
+    "nvidia-h100-nvl", "nvidia-h200", "nvidia-h200-nvl", "nvidia-b200", "nvidia-h800",
+    "nvidia-h20", "nvidia-v100-32g", "amd-mi250x", "amd-mi300x", "hygon-z100", "hygon-k100", "hygon-k100-ai",
+    "hygon-bw1000", "ascend-910a", "ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4", "ascend-910c",
     "cpu",
 ]
 
@@ -67,13 +68,21 @@ def test_specific_published_figures():
     assert CATALOG["nvidia-a100-80g"].intra_node_gb_per_s == 300  # per direction of NVLink's 600
     mi250x = CATALOG["amd-mi250x"]
     assert mi250x.memory_gib == 64 and "GCD" in mi250x.source
+    # dense halves of the datasheets' sparse figures; per direction halves of bidirectional links
+    assert [CATALOG[n].tflops_bf16 for n in ("nvidia-h100-pcie", "nvidia-h100-nvl", "nvidia-h200", "nvidia-h200-nvl",
+                                             "nvidia-b200")] == [756, 835, 989, 835, 2250]
+    assert [CATALOG[n].hbm_gb_per_s for n in ("nvidia-h100-pcie", "nvidia-h100-nvl", "nvidia-h200",
+                                              "nvidia-b200")] == [2000, 3900, 4800, 8000]
+    assert (CATALOG["nvidia-h200"].memory_gib, CATALOG["nvidia-b200"].intra_node_gb_per_s) == (141, 900)
+    die = CATALOG["ascend-910c"]  # one of the package's two dies, as torch_npu shows them
+    assert (die.memory_gib, die.tflops_bf16, die.hbm_gb_per_s) == (64, 376, 1600)
     bw = CATALOG["hygon-bw1000"]
     assert (bw.memory_gib, bw.tflops_bf16, bw.intra_node_gb_per_s) == (64, 480, 100)
 
 
 def test_vendors_that_publish_little_say_so():
     for name in ("hygon-z100", "hygon-k100", "hygon-bw1000", "ascend-910b1", "ascend-910b2",
-                 "ascend-910b3", "ascend-910b4"):
+                 "ascend-910b3", "ascend-910b4", "ascend-910c"):
         assert "approximate, public reports" in CATALOG[name].source
     assert "measured on the 2-core dev machine" in CATALOG["cpu"].source
 
@@ -82,6 +91,7 @@ def test_lookup_exact_case_insensitive_and_alias():
     assert lookup("nvidia-h100-sxm") is CATALOG["nvidia-h100-sxm"]
     assert lookup(" NVIDIA-H20 ") is CATALOG["nvidia-h20"]
     assert lookup("ascend-910b").name == ALIASES["ascend-910b"]
+    assert lookup("nvidia-h200-sxm") is CATALOG["nvidia-h200"]
     for target in ALIASES.values():
         assert target in CATALOG
 

@@ -151,6 +151,17 @@ def test_rocm_vendor_needs_rocm_torch(monkeypatch):
         Device.for_vendor("nvidia", 0).memory_allocated_bytes()
 
 
+def test_available_says_whether_the_device_is_here_without_raising(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    assert Device.cpu().available and emulated("ascend", 3).available
+    assert Device.for_vendor("nvidia", 1).available and not Device.for_vendor("nvidia", 2).available
+    assert not Device.for_vendor("amd", 0).available  # a CUDA build has no ROCm device
+    assert not Device.for_vendor("ascend", 0).available  # no torch_npu
+
+
 def test_ascend_without_torch_npu_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     with pytest.raises(UserError, match="torch_npu"):

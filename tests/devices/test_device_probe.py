@@ -140,10 +140,15 @@ def test_torch_npu_that_fails_when_queried_does_not_break_probing(monkeypatch):
     ("nvidia", "NVIDIA A100 80GB PCIe", 79.2, "nvidia-a100-80g"),
     ("nvidia", "NVIDIA A800-SXM4-80GB", 79.3, "nvidia-a800-80g"),
     ("nvidia", "NVIDIA H100 80GB HBM3", 79.1, "nvidia-h100-sxm"),
-    ("nvidia", "NVIDIA H100 PCIe", 79.1, None),
+    ("nvidia", "NVIDIA H100 PCIe", 79.6, "nvidia-h100-pcie"),
+    ("nvidia", "NVIDIA H100 NVL", 93.6, "nvidia-h100-nvl"),
     ("nvidia", "NVIDIA H800", 79.1, "nvidia-h800"),
     ("nvidia", "NVIDIA H20", 95.0, "nvidia-h20"),
-    ("nvidia", "NVIDIA H200", 139.8, None),  # not the H20
+    ("nvidia", "NVIDIA H200", 139.8, "nvidia-h200"),  # not the H20
+    ("nvidia", "NVIDIA H200 NVL", 140.4, "nvidia-h200-nvl"),
+    ("nvidia", "NVIDIA B200", 179.1, "nvidia-b200"),
+    ("nvidia", "NVIDIA GB200", 184.0, None),  # the Grace-Blackwell part is not the B200 (other clocks)
+    ("nvidia", "NVIDIA H20", 139.8, None),  # memory far off the 96 GB entry: another card
     ("nvidia", "Tesla V100-SXM2-32GB", 31.7, "nvidia-v100-32g"),
     ("nvidia", "Tesla V100-SXM2-16GB", 15.8, None),  # memory far off the 32 GB entry
     ("nvidia", "NVIDIA GeForce RTX 4090", 23.6, None),
@@ -155,10 +160,27 @@ def test_torch_npu_that_fails_when_queried_does_not_break_probing(monkeypatch):
     ("ascend", "Ascend910B4", 30.0, "ascend-910b4"),
     ("ascend", "Ascend910PremiumA", 31.0, "ascend-910a"),
     ("ascend", "Ascend910ProB", 31.0, None),  # the old 910 Pro B is not a 910B
+    ("ascend", "Ascend910_9392", 61.0, "ascend-910c"),  # one die of a 910C, as torch_npu names it
+    ("ascend", "Ascend910_9381", 61.0, "ascend-910c"),
+    ("ascend", "Ascend910C", 61.0, "ascend-910c"),
+    ("ascend", "Ascend910_9362", 61.0, None),  # a bin the catalog does not describe
+    ("ascend", "Ascend910B2C", 61.0, "ascend-910b2"),
     ("cpu", "anything", 4.0, "cpu"),
 ])
 def test_match_catalog_name(vendor, name, memory_gib, expected):
     assert match_catalog_name(vendor, name, memory_gib) == expected
+
+
+def test_an_unknown_card_is_unmatched_with_a_warning_saying_how_to_declare_it(monkeypatch, caplog):
+    fake_cuda(monkeypatch, [("NVIDIA GB300", 268.0)] * 2)
+    devices = probe_local_devices()
+    probe_local_devices()
+    assert [d.catalog_name for d in devices] == [None, None, "cpu"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"cuda:{i}: 'NVIDIA GB300' (268.0 GiB) matches no chip in the catalog; describe it under "
+                      "cluster.device_types in the job YAML (a new name with vendor, memory_gib and peak rates; "
+                      "`heteroflow devices --catalog` lists the fields) and pass that name to `heteroflow profile "
+                      "--device-type`" for i in (0, 1)]  # once per device, however often it is probed
 
 
 def test_match_without_memory_prefers_the_large_variant():
