@@ -420,7 +420,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                                               etp=etp)
                          for rc in ("none", "selective", "full")},
                  memory=_with_cp_working(memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
-                                                      capacity_gib=dev.memory_gib, ep=ep, etp=etp),
+                                                      capacity_gib=dev.memory_gib, ep=ep, etp=etp, cp=cp),
                                          context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
                                                                         dtype_bytes=act)))
 
@@ -437,11 +437,11 @@ def _topology_fractions(hw: StageHardware, layout: ParallelLayout, emulate: bool
 
 
 def context_parallel_working_bytes(model: ModelSpec, *, tokens: float, tp: int, cp: int, dtype_bytes: int) -> float:
-    """Transient bytes of one block's cp attention backward: the whole sequence's K and V, repeated to this
-    rank's query heads, and their fp32 gradients (0 without cp)."""
+    """Transient bytes of one block's cp attention backward: the whole sequence's K and V at this rank's kv heads
+    (the fused kernels group query heads over them) and their fp32 gradients (0 without cp)."""
     if cp == 1:
         return 0.0
-    heads = model.num_attention_heads // tp * model.kv_channels
+    heads = kv_heads_per_rank(model, tp) * model.kv_channels
     return 2 * tokens * cp * heads * (dtype_bytes + 4)
 
 
