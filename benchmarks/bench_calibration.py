@@ -71,6 +71,10 @@ CALIBRATE_FROM = ("2stage-1f1b", "demo-8rank")
 WITHIN, MEDIAN_WITHIN = 0.10, 0.05
 
 
+QUICK = ["--rounds", "1", "--steps", "3", "--plans", "2stage-1f1b", "demo-8rank", "--quick-profile", "--save", os.devnull, "--output", os.devnull]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def make_job(name: str, profile_path: str | None, steps: int):
     """The job of one plan (the profile named as its `cluster.profile`)."""
     plan = PLANS[name]
@@ -188,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", default=str(REPO / "benchmarks" / "results" / "bench_calibration.json"),
                         help="where the measurements (and the profile) are saved")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "bench_calibration.txt"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args(argv)
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(argv if argv is not None else sys.argv[1:])])
     if set(args.plans) - set(PLANS) or not set(args.calibrate_from) <= set(args.plans):
         parser.error(f"plans are among {list(PLANS)}, and --calibrate-from among them")
     lines: list[str] = []

@@ -29,6 +29,10 @@ NODES_PER_TYPE = {64: (3, 3, 2), 256: (8, 16, 8), 1024: (40, 48, 40)}
 """Nodes of 8 devices per type; blocks sized so that a Megatron-style uniform plan exists."""
 
 
+QUICK = ["--sizes", "64", "--exhaustive-limit", "10"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def cluster_job(num_devices: int, *, model: object = "llama2-70b", global_batch_size: int = 1024,
                 per_node: int = 8) -> dict:
     """A cluster of `num_devices` devices in nodes of `per_node`: a block of nodes per device type."""
@@ -84,7 +88,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=[64, 256, 1024])
     parser.add_argument("--exhaustive-limit", type=float, default=600.0, help="seconds before giving up")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
 
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs share this machine: "
           "CPU seconds are the planner's own work, wall seconds include waiting for the cores)")
