@@ -37,7 +37,7 @@ from heteroflow.config import parse_job  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-QUICK = ["--seq", "256", "--layers", "1", "--steps", "2", "--rounds", "1", "--output", os.devnull]
+QUICK = ["--seq", "256", "--layers", "1", "--steps", "2", "--rounds", "1", "--output", ""]
 """The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 
@@ -168,7 +168,8 @@ def main() -> None:
     lines.append("losses cp 2: " + ", ".join(f"{x:.6f}" for x in results[2]["losses"]))
     report = "\n".join(lines)
     print(report)
-    Path(opts.output).write_text(report + "\n")
+    if opts.output:
+        Path(opts.output).write_text(report + "\n")
 
 
 if __name__ == "__main__":

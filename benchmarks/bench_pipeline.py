@@ -45,7 +45,8 @@ FRAMEWORKS = ("heteroflow", "torch", "deepspeed")
 LR = 1e-3
 
 
-QUICK = ["--preset", "micro-llama", "--num-layers", "2", "--micro-batches", "2", "--micro-batch-size", "1", "--rounds", "1", "--steps", "1", "--loss-steps", "1", "--out", os.devnull]
+QUICK = ["--preset", "micro-llama", "--num-layers", "2", "--micro-batches", "2", "--micro-batch-size", "1",
+         "--rounds", "1", "--steps", "1", "--loss-steps", "1", "--out", ""]
 """The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 

@@ -74,7 +74,8 @@ PLANS = (
 )
 
 
-QUICK = ["--steps", "2", "--warmup", "1", "--plans", "2stage-1f1b", "--rounds", "1", "--quiet-wait", "0", "--output", os.devnull]
+QUICK = ["--steps", "2", "--warmup", "1", "--plans", "2stage-1f1b", "--rounds", "1", "--quiet-wait", "0",
+         "--output", ""]
 """The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 
