@@ -71,7 +71,8 @@ CALIBRATE_FROM = ("2stage-1f1b", "demo-8rank")
 WITHIN, MEDIAN_WITHIN = 0.10, 0.05
 
 
-QUICK = ["--rounds", "1", "--steps", "3", "--plans", "2stage-1f1b", "demo-8rank", "--quick-profile",
+QUICK = ["--rounds", "1", "--steps", "3", "--plans", "1rank", "2stage-1f1b", "dp2", "--calibrate-from", "1rank",
+         "2stage-1f1b", "--quick-profile",
          "--save", os.path.join(tempfile.gettempdir(), "bench_calibration_quick.json"), "--output", ""]
 """The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 

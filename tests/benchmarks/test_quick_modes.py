@@ -23,7 +23,7 @@ FAST = {  # script -> a piece of its result output
     "bench_swap_checksum.py": "",
 }
 SLOW = {
-    "bench_calibration.py": "",
+    "bench_calibration.py": "whole run",
     "bench_compile.py": "ratio eager / compiled",
     "bench_context_parallel.py": "cp2 / cp1",
     "bench_fp16_scaling.py": "",
