@@ -16,8 +16,8 @@ Overlap assumptions:
 - Context parallelism (`models/cp_attention.py`): each block all-gathers K/V over cp before its attention
   in the forward, and gathers them again and reduce-scatters their gradients in the backward, exposed
   (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
-  tail, before the dp reduction. The backward's gathered K/V (repeated to the query heads) and their
-  fp32 gradients are transient memory of one block (`context_parallel_working_bytes`).
+  tail, before the dp reduction. The backward's gathered K/V (at the kv heads) and their fp32 gradients are
+  transient memory of one block (`context_parallel_working_bytes`).
 - A MoE block's all-to-alls (token dispatch and combine in the forward, their adjoints in the backward; again
   in the backward under full recompute) are exposed, on the ep group's links (`comm.ep_alltoall_s`), at the
   expected bytes of uniform routing times the load allowance (`layout.routing`). The routed experts'
