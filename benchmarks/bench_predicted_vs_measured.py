@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     waited, others_before = wait_for_quiet(args.quiet_wait, 0.2)
     work_dir = Path(tempfile.mkdtemp(prefix="heteroflow-bench-pred-"))
     profile_path = str(work_dir / "profile.yaml")
-    save_profile(measure_profile(disk_dir=str(work_dir)), profile_path)
+    save_profile(measure_profile(disk_dir=str(work_dir), quick=args.quick), profile_path)  # quick: profile's --quick
     profile = load_profile(profile_path)
     load_after_profile = load_average()
     import torch
