@@ -42,7 +42,7 @@ from heteroflow.testing import run_ranks  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-QUICK = ["--shape", "2,8,16", "--repeats", "1", "--warmup", "0"]
+QUICK = ["--shape", "4,8,16", "--repeats", "1", "--warmup", "0"]
 """The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 

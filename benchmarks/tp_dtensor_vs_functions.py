@@ -30,7 +30,7 @@ from heteroflow.layout import ParallelLayout
 from heteroflow.models import build_stage_model, init_weights, parallelize_stage
 
 
-QUICK = ["--world", "2", "--seq", "16", "--iters", "1"]
+QUICK = ["--world", "2", "--seq", "16", "--iters", "3"]
 """The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 
