@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"whole run {time.time() - start:.0f} s")
     if args.output:
         Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return 0 if met else 1
+    return 0 if met or args.quick else 1  # a quick run's few steps say nothing about the goals
 
 
 if __name__ == "__main__":
