@@ -37,6 +37,10 @@ from heteroflow.config import parse_job  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
+QUICK = ["--seq", "256", "--layers", "1", "--steps", "2", "--rounds", "1", "--output", ""]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def make_job(cp: int, *, seq: int, layers: int, steps: int):
     model = {"preset": "micro-llama", "num_layers": layers, "seq_length": seq}
     return parse_job({
@@ -126,7 +130,10 @@ def main() -> None:
                         help="torch threads per rank (default: the cores split over the ranks, as `train --emulate` "
                              "and the planner do; 1 isolates the work per rank from intra-op threading)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "bench_context_parallel.txt"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     opts = parser.parse_args()
+    if opts.quick:  # later arguments still override the quick sizes
+        opts = parser.parse_args([*QUICK, *(sys.argv[1:])])
     rounds: list[dict[int, dict]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp:
         for r in range(opts.rounds):  # the machine is shared: alternate the order so load drifts hit both
@@ -161,7 +168,8 @@ def main() -> None:
     lines.append("losses cp 2: " + ", ".join(f"{x:.6f}" for x in results[2]["losses"]))
     report = "\n".join(lines)
     print(report)
-    Path(opts.output).write_text(report + "\n")
+    if opts.output:
+        Path(opts.output).write_text(report + "\n")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ SETTINGS = {"bf16": {"precision": "bf16"},
             "fp16+scaler": {"precision": "fp16", "initial_loss_scale": 2.0**16}}
 
 
+QUICK = ["--rounds", "1", "--steps", "2"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def _rank(rank: int, world_size: int, args: WorkerArgs) -> float:
     """Train; this rank's process CPU time in the training loop (model building and joining excluded)."""
     import heteroflow.runtime.worker as worker
@@ -101,7 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first is a warm-up)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     options = parser.parse_args()
+    if options.quick:  # later arguments still override the quick sizes
+        options = parser.parse_args([*QUICK, *(sys.argv[1:])])
     started = time.perf_counter()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     rng = random.Random(0)

@@ -30,6 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests/data"))
 
 
+QUICK = ["--docs", "2000", "--seq-length", "64", "--samples", "2000", "--read", "50", "--repeats", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py); at least ~1000 documents, since the weighted blend
+asks megatron-core for a test split of 1/1000 of them (with none it never finishes)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=20_000, help="documents per prefix")
@@ -37,7 +42,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=200_000, help="samples requested (train_iters * batch)")
     parser.add_argument("--read", type=int, default=5_000, help="samples read and compared")
     parser.add_argument("--repeats", type=int, default=5, help="reads timed per side (median)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     from indexed_helpers import megatron_train_split

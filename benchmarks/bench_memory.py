@@ -11,6 +11,7 @@ at once (unique storages, `heteroflow.runtime.memory`). Some device bytes cannot
 parameters' prefetched block); `seen` is measured / (planned - unseen), the test's criterion.
 
     python benchmarks/bench_memory.py [LAYOUT...]
+    python benchmarks/bench_memory.py --quick          # one layout (what the test suite runs)
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from heteroflow.testing.memory_layouts import LAYOUTS, measure_layouts  # noqa: 
 KIB = 1024.0
 
 
+QUICK = ["dp2"]
+"""The layouts `--quick` runs (what the test suite runs)."""
+
+
 def main(names: list[str]) -> int:
+    if "--quick" in names:
+        names = [n for n in names if n != "--quick"] or QUICK
     with tempfile.TemporaryDirectory() as work_dir:
         rows = measure_layouts(names or list(LAYOUTS), work_dir)
     print(f"{'layout':26s} {'rank':>4s} {'stage':>5s} {'state KiB':>10s} {'act meas':>9s} {'act plan':>9s} "

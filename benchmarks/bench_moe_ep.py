@@ -18,11 +18,16 @@ load), of the median steps and of the fastest steps.
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import statistics
 import time
 
 import torch
+
+
+QUICK = ["--hidden", "32", "--ffn", "64", "--experts", "4", "--tokens", "64", "--rounds", "1", "--steps", "1", "--warmup", "0"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 
 def _rank(rank: int, world_size: int, args) -> dict:
@@ -93,7 +98,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=1, help="steps of each layer per round")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
 
     from heteroflow.testing import run_ranks
 

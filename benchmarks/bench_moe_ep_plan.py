@@ -37,6 +37,10 @@ PLAN_SPACE = replace(RUNTIME_LAYOUTS, expert_parallel=True)
 SPACES = {"ZeRO 0-3": PLAN_SPACE, "ZeRO 0-2": replace(PLAN_SPACE, zero=(0, 1, 2))}
 
 
+QUICK = ["--models", "mixtral-8x7b"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def job(model: str, nodes: tuple[int, int, int], global_batch_size: int):
     """A job of `model` (4096-token sequences) on a cluster with `nodes[i]` nodes of 8 `TYPES[i]` devices."""
     names = [(t, i) for t, n in zip(TYPES, nodes) for i in range(n)]
@@ -97,15 +101,20 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"])
     parser.add_argument("--global-batch-size", type=int, default=128)
     parser.add_argument("--out", type=Path, help="also write the output to this file")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     out = [f"bench_moe_ep_plan: predicted step times (cost model, no training); load average at start "
            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"]
     print(out[0], flush=True)
     summary = ["", "| model | devices | space | ep per stage | best one-ep / per-stage | megatron_uniform / per-stage |",
                "|---|---|---|---|---|---|"]
+    clusters, spaces = (list(CLUSTERS)[:1], list(SPACES)[:1]) if args.quick else (list(CLUSTERS), list(SPACES))
     for model in args.models:
-        for cluster, nodes in CLUSTERS.items():
-            for space in SPACES:
+        for cluster in clusters:
+            nodes = CLUSTERS[cluster]
+            for space in spaces:
                 lines = run(model, cluster, nodes, args.global_batch_size, space, summary)
                 print("\n".join(lines), flush=True)
                 out += lines

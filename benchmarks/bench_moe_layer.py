@@ -13,10 +13,15 @@ gradient) in every step, which the transformers block leaves to the model's end.
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import time
 
 import torch
+
+
+QUICK = ["--hidden", "32", "--ffn", "64", "--experts", "4", "--tokens", "64", "--samples", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 
 def main() -> None:
@@ -27,7 +32,10 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
 
     import transformers
 

@@ -13,6 +13,7 @@ shape-independent rate, GELU over SwiGLU, which the measured ratio should approa
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import statistics
 import time
@@ -21,12 +22,19 @@ from dataclasses import replace
 import torch
 
 
+QUICK = ["--hidden", "32", "--ffn", "64", "--experts", "4", "--tokens", "64", "--sequences", "2", "--samples", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("hidden", 512), ("ffn", 1024), ("experts", 8), ("top-k", 2), ("tokens", 4096),
                           ("sequences", 4), ("samples", 10)):
         parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
 
     from heteroflow.config import PRESETS
     from heteroflow.config.catalog import CATALOG

@@ -51,6 +51,10 @@ MIB = 2**20
 LR = 1e-4  # small enough that a 72-block residual stack's loss falls step by step
 
 
+QUICK = ["--budget-mib", "16", "--hidden", "64", "--tokens", "32", "--steps", "1", "--target", "2", "--rounds", "1", "--tp2-steps", "2"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def _params(blocks: nn.Module) -> int:
     return sum(p.numel() for p in blocks.parameters())
 
@@ -199,7 +203,10 @@ def main() -> None:
     parser.add_argument("--tp2", action="store_true", help="compare params offload on a tp 2 stage instead")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tp2-steps", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     if args.tp2:
         print(f"one tp 2 stage, two emulated ranks: {TP2_MODEL}; 2 micro-batches x 2 x {TP2_MODEL['seq_length']} "
               f"tokens, fp32, {args.tp2_steps} steps per run (first = warm-up), {args.rounds} alternating rounds")

@@ -33,6 +33,10 @@ from heteroflow.offload.store import TieredStore  # noqa: E402
 from heteroflow.offload.swap import SwapDir  # noqa: E402
 
 
+QUICK = ["--gib", "0.02", "--chunk-mib", "2", "--repeats", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def dd(path: Path, nbytes: int, chunk: int, *, write: bool) -> float:
     """GB/s that dd reports for a direct-I/O write or read of `nbytes` in `chunk`-sized blocks."""
     count = nbytes // chunk
@@ -73,7 +77,10 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--in-flight", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     chunk = args.chunk_mib << 20
     nbytes = int(args.gib * 2**30) // chunk * chunk
     kinds = ["threads"]

@@ -20,6 +20,10 @@ keeps the embedding, final norm and head on the device (only the blocks go to SS
 < 1.5% of the parameters), DeepSpeed swaps every parameter of >= 1 MiB (its aio block size) to NVMe.
 
     python benchmarks/bench_offload_vs_deepspeed.py [--layers 8] [--hidden 1024] [--steps 4] [--rounds 2]
+    python benchmarks/bench_offload_vs_deepspeed.py --quick     # tiny sizes, one run per side (a test runs it)
+
+DeepSpeed's NVMe offload needs libaio's headers (`apt install libaio-dev`); without them the benchmark runs
+heteroflow's side, says what to install and exits 2.
 """
 
 from __future__ import annotations
@@ -125,6 +129,11 @@ def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                 "overlap_events": True},
     }
+    # Partition the module ourselves, the precision read from this (fp32) config: `deepspeed.initialize` would
+    # pass the module's dtype to `zero.Init`, whose `_set_dtype` (DeepSpeed 0.19) turns a given fp32 into bf16 on
+    # the CPU accelerator, so the NVMe swap buffers held bf16 weights ("expected m1 and m2 to have the same dtype,
+    # but got: float != c10::BFloat16" in zero/linear.py).
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -156,6 +165,19 @@ def run_deepspeed(a: argparse.Namespace, work: Path) -> dict:
             "optimizer": type(engine.optimizer.optimizer).__name__}
 
 
+def deepspeed_aio_problem() -> str | None:
+    """Why DeepSpeed's NVMe offload cannot run here (its async_io op needs libaio's headers to build), or None."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError as error:
+        return f"DeepSpeed is not installed ({error}): pip install deepspeed"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return ("DeepSpeed's async_io op (its NVMe offload) cannot build: libaio's headers are missing; install "
+                "them (Debian/Ubuntu: apt install libaio-dev; RHEL/Fedora: dnf install libaio-devel), then re-run")
+    return None
+
+
 def worker_main(kind: str, a: argparse.Namespace) -> None:
     work = Path(a.dir)
     report(run_heteroflow(a, work) if kind == "heteroflow" else run_deepspeed(a, work))
@@ -175,11 +197,11 @@ def _extra(p: argparse.ArgumentParser) -> None:
 parse_args = model_args(__doc__.splitlines()[0], layers=8, hidden=1024, ffn=2816, heads=16, kv_heads=8, extra=_extra)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     a = parse_args(argv)
     if a.worker:
         worker_main(a.worker, a)
-        return
+        return 0
     from heteroflow.config import parse_job
 
     work = Path(tempfile.mkdtemp(prefix="bench-offload-ds-", dir=a.dir))
@@ -201,6 +223,15 @@ def main(argv: list[str]) -> None:
                 f"{' '.join(f'{t:6.2f}' for t in result['cpu_s'])}  ({extra})")
 
     started = time.time()
+    problem = deepspeed_aio_problem()
+    if problem is not None:  # heteroflow's side still runs (and is shown), then what to install for DeepSpeed's
+        try:
+            result = launch(__file__, "heteroflow", a, work, ranks=1, threads=a.threads, inspect=_inspect)
+            print(show(0, "heteroflow", result))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"bench_offload_vs_deepspeed: no DeepSpeed side: {problem}", file=sys.stderr)
+        return 2
     try:
         results = alternate(("heteroflow", "deepspeed"), a.rounds,
                             lambda kind: launch(__file__, kind, a, work, ranks=1, threads=a.threads, inspect=_inspect),
@@ -218,7 +249,8 @@ def main(argv: list[str]) -> None:
     ratio = med["heteroflow"] / med["deepspeed"]
     print(f"ratio heteroflow / DeepSpeed: {ratio:.2f}x (goal <= 1.0x: {'met' if ratio <= 1.0 else 'NOT met'})")
     footer(started)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

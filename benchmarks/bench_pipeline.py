@@ -45,6 +45,11 @@ FRAMEWORKS = ("heteroflow", "torch", "deepspeed")
 LR = 1e-3
 
 
+QUICK = ["--preset", "micro-llama", "--num-layers", "2", "--micro-batches", "2", "--micro-batch-size", "1",
+         "--rounds", "1", "--steps", "1", "--loss-steps", "1", "--out", ""]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def make_job(args, *, steps: int):
     """The job and plan every framework trains: two single-device stages on one CPU node."""
     half = args.num_layers // 2
@@ -339,7 +344,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and framework")
     parser.add_argument("--loss-steps", type=int, default=3, help="first-round losses to print")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_pipeline.txt"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     if args.loss_steps > args.warmup_steps + args.steps:
         parser.error("--loss-steps must not exceed --warmup-steps + --steps")
     load_before, started = os.getloadavg(), time.perf_counter()

@@ -40,6 +40,10 @@ NODES_PER_TYPE = {64: (3, 3, 2), 256: (8, 16, 8), 1024: (40, 48, 40)}
 """Nodes of 8 devices per type; blocks sized so that a Megatron-style uniform plan exists."""
 
 
+QUICK = ["--sizes", "64", "--exhaustive-limit", "10", "--baseline", "none"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def cluster_job(num_devices: int, *, model: object = "llama2-70b", global_batch_size: int = 1024,
                 per_node: int = 8) -> dict:
     """A cluster of `num_devices` devices in nodes of `per_node`: a block of nodes per device type."""
@@ -138,7 +142,10 @@ def main() -> int:
     parser.add_argument("--exhaustive-limit", type=float, default=600.0, help="seconds before giving up")
     parser.add_argument("--baseline", default=BASELINE_REV, help="git revision to compare with ('none': skip)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     if args.worker:
         print(json.dumps(search_record(args.worker)))
         return 0

@@ -74,6 +74,11 @@ PLANS = (
 )
 
 
+QUICK = ["--steps", "2", "--warmup", "1", "--plans", "2stage-1f1b", "--rounds", "1", "--quiet-wait", "0",
+         "--output", ""]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def make_job(plan: BenchPlan, profile_path: str, steps: int):
     """The job of one plan, naming the measured profile (so the runtime's own prediction uses it too)."""
     model = {"preset": "tiny-llama", "num_layers": plan.num_layers}
@@ -170,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait at most, before each plan, for other jobs to leave the cores idle")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "bench_predicted_vs_measured.txt"),
                         help="also write the report here")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args(argv)
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(argv if argv is not None else sys.argv[1:])])
     unknown = sorted(set(args.plans) - {p.name for p in PLANS})
     if unknown:
         parser.error(f"unknown plans {unknown}; known: {[p.name for p in PLANS]}")
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     waited, others_before = wait_for_quiet(args.quiet_wait, 0.2)
     work_dir = Path(tempfile.mkdtemp(prefix="heteroflow-bench-pred-"))
     profile_path = str(work_dir / "profile.yaml")
-    save_profile(measure_profile(disk_dir=str(work_dir)), profile_path)
+    save_profile(measure_profile(disk_dir=str(work_dir), quick=args.quick), profile_path)  # quick: profile's --quick
     profile = load_profile(profile_path)
     load_after_profile = load_average()
     import torch

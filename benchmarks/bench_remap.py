@@ -42,6 +42,10 @@ from heteroflow.testing import run_ranks  # noqa: E402
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+QUICK = ["--shape", "4,8,16", "--repeats", "1", "--warmup", "0"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def parse_degrees(text: str) -> dict:
     """`tp2,dp2,sp` -> {tp: 2, dp: 2, sp: True}."""
     out = {"tp": 1, "dp": 1, "sp": False}
@@ -154,7 +158,10 @@ def main() -> None:
     parser.add_argument("--chunk-mb", type=int, default=4)
     parser.add_argument("--variants", default="bridge,bridge:reuse,bridge+staging:reuse,direct:reuse",
                         type=lambda s: s.split(","), help="transport[:reuse], comma-separated")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     src, dst = layouts(args)
     world = len(src.ranks) + len(dst.ranks)
     run_ranks(check, world, args, timeout_s=300)

@@ -27,6 +27,10 @@ import torch  # noqa: E402
 from heteroflow.testing import run_ranks  # noqa: E402
 
 
+QUICK = ["--rounds", "1", "--num-layers", "2", "--micro-batches", "2", "--micro-batch-size", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def _rank(rank: int, world_size: int, args) -> dict:
     import torch.distributed as dist
 
@@ -124,7 +128,10 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     load = os.getloadavg()
     started = time.time()
     results = run_ranks(_rank, 2, args, timeout_s=900)

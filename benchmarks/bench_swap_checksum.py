@@ -42,6 +42,10 @@ from heteroflow.offload.swap import SwapChecksums, SwapDir  # noqa: E402
 _spent = [0.0]  # seconds the training thread spends inside SwapChecksums (the helper thread's work is not in it)
 
 
+QUICK = ["--mib", "4", "--chunk-mib", "1", "--hidden", "64", "--blocks", "2", "--tokens", "32", "--steps", "1", "--repeats", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def _timing(method):
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -134,7 +138,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     started = time.perf_counter()
     print("checksum speed on one core (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in checksum_speeds().items()))
     chunk, nbytes = args.chunk_mib << 20, (args.mib << 20) // (args.chunk_mib << 20) * (args.chunk_mib << 20)

@@ -35,6 +35,10 @@ from heteroflow.testing.training import run_training  # noqa: E402
 SETTINGS = {"zero0-cpu": (0, {"optimizer": "cpu"}), "zero1-cpu": (1, {"optimizer": "cpu"}), "zero1-device": (1, {})}
 
 
+QUICK = ["--rounds", "1", "--steps", "2"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
+
 def run(setting: str, *, steps: int, tmp: Path) -> tuple[float, list[int]]:
     """Median step time after the first step, and each rank's optimizer bytes in its tier."""
     zero, offload = SETTINGS[setting]
@@ -57,7 +61,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     opts = parser.parse_args()
+    if opts.quick:  # later arguments still override the quick sizes
+        opts = parser.parse_args([*QUICK, *(sys.argv[1:])])
     ratios: dict[str, list[float]] = {s: [] for s in SETTINGS}
     held: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory() as tmp:

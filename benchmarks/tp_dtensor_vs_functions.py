@@ -11,6 +11,7 @@ the same processes, alternating, after a correctness check against the unsharded
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import tempfile
 import time
@@ -27,6 +28,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from heteroflow.config import PRESETS
 from heteroflow.layout import ParallelLayout
 from heteroflow.models import build_stage_model, init_weights, parallelize_stage
+
+
+QUICK = ["--world", "2", "--seq", "16", "--iters", "3"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
 
 
 def dtensor_tp(model, mesh, sp: bool) -> None:
@@ -101,6 +106,9 @@ if __name__ == "__main__":
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     cli = parser.parse_args()
+    if cli.quick:  # later arguments still override the quick sizes
+        cli = parser.parse_args([*QUICK, *(sys.argv[1:])])
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(run, args=(cli.world, f"{tmp}/store", cli), nprocs=cli.world)

@@ -76,6 +76,9 @@ class TrainSpec:
     offload_dir: str | None = None
     """Where stages with an `ssd` offload tier keep their scratch swap files (resolved relative to the job
     file; never inside `checkpoint.dir`); None: `$HETEROFLOW_SWAP_DIR`, else the system temp directory."""
+    compile: bool = False
+    """Compile each decoder block with `torch.compile` (`models.compile`); the run stops with a `train.compile`
+    error at start where the device's compiler is missing or this torch build cannot compile."""
 
     def to_dict(self) -> dict:
         """Plain data in the job YAML's schema (unset optional sections left out)."""
@@ -106,6 +109,7 @@ def parse_train(data: object, problems: Problems, path: str = "train") -> TrainS
         "tensorboard_dir": sec.string("tensorboard_dir", None),
         "tensorboard_log_interval": sec.integer("tensorboard_log_interval", d["tensorboard_log_interval"].default,
                                                 limit=limits.STEPS),
+        "compile": sec.boolean("compile", d["compile"].default),
     }
     for name, limit in _NUMBER_LIMITS.items():
         values[name] = sec.number(name, d[name].default, limit=limit)

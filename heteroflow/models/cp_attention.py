@@ -7,17 +7,22 @@ block's share of the gradient (all a FlashAttention-style backward needs). Chunk
 which is where the causal load balancing pays: every rank computes the same number of blocks.
 
 K and V are all-gathered over cp in the forward and gathered again in the backward (nothing of the
-other ranks is kept between the two: activation memory stays that of the rank's own tokens); their
-gradients go back to their owners by a reduce-scatter.
+other ranks is kept between the two: activation memory stays that of the rank's own tokens, O(s / cp), as
+`stagemap.memory` prices it); their gradients go back to their owners by a reduce-scatter. They stay at the kv
+heads (grouped-query attention): the kernels group query heads over them.
 
-Kernels: on CPU, ATen's flash attention for CPU (what `F.scaled_dot_product_attention` runs there),
-which returns the log-sum-exp and whose backward takes it. Elsewhere an exact math version in fp32
-(scores materialized per block): the CUDA and Ascend flash kernels return their statistics in
-version-dependent shapes and paddings that this code cannot be tested against here.
+Kernels (`Kernel`), fused ones that return the log-sum-exp and whose backward takes it, chosen per device:
+- cpu: ATen's flash attention for CPU (what `F.scaled_dot_product_attention` runs there; it groups query heads
+  over the kv heads itself);
+- cuda (NVIDIA, and AMD through ROCm's build): ATen's flash attention for fp16/bf16 on devices that have it,
+  with K/V repeated to the query heads per block;
+- math: an exact version in the accumulation dtype with each block's scores materialized, for every other
+  case (other vendors, fp32 on CUDA) and as the reference the fused kernels are tested against.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -30,12 +35,38 @@ _SEQ = 2
 """Sequence dim of [batch, heads, seq, head_dim]."""
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-           math_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+class Kernel(enum.Enum):
+    """The block attention kernels (module doc)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    MATH = "math"
+
+
+def choose_kernel(q: torch.Tensor, *, math_kernel: bool = False) -> Kernel:
+    """The fused kernel for `q`'s device, dtype and head size, or the math reference (always with `math_kernel`)."""
+    if math_kernel:
+        return Kernel.MATH
+    if q.device.type == "cpu":
+        return Kernel.CPU
+    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8):
+        return Kernel.CUDA
+    return Kernel.MATH
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, math_kernel: bool = False,
+           kernel: Kernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and its log-sum-exp [batch, heads, seq] (in `accumulation_dtype`) for one block
-    (causal: top-left aligned)."""
-    if q.device.type == "cpu" and not math_kernel:
+    (causal: top-left aligned); k and v may have fewer (kv) heads than q."""
+    kernel = kernel or choose_kernel(q, math_kernel=math_kernel)
+    if kernel is Kernel.CPU:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    repeats = q.shape[1] // k.shape[1]
+    k, v = _repeat_heads(k, repeats), _repeat_heads(v, repeats)
+    if kernel is Kernel.CUDA:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+        return out, lse[..., :q.shape[_SEQ]]
     scores = _scores(q, k, causal)
     lse = scores.logsumexp(-1)
     out = (scores - lse[..., None]).exp() @ v.to(scores.dtype)
@@ -48,20 +79,41 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, *, causal: bool, math_kernel: bool = False
+                    lse: torch.Tensor, *, causal: bool, math_kernel: bool = False, kernel: Kernel | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of q, k, v for one block, given the output and log-sum-exp of the whole row."""
-    if q.device.type == "cpu" and not math_kernel:
+    """Gradients of q, k, v (k and v at their own heads) for one block, given the output and log-sum-exp of the
+    whole row."""
+    kernel = kernel or choose_kernel(q, math_kernel=math_kernel)
+    if kernel is Kernel.CPU:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal)
+    repeats = q.shape[1] // k.shape[1]
+    k_r, v_r = _repeat_heads(k, repeats), _repeat_heads(v, repeats)
+    if kernel is Kernel.CUDA:
+        none = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.contiguous(), q, k_r, v_r, out.contiguous(), lse.contiguous(), none, none, q.shape[_SEQ],
+            k.shape[_SEQ], 0.0, causal, none, none)
+        return dq, _sum_heads(dk, repeats), _sum_heads(dv, repeats)
     acc = accumulation_dtype(q.dtype)
-    p = (_scores(q, k, causal) - lse[..., None].to(acc)).exp()
+    p = (_scores(q, k_r, causal) - lse[..., None].to(acc)).exp()
     dout_acc = dout.to(acc)
     dv = p.transpose(-1, -2) @ dout_acc
-    dp = dout_acc @ v.to(acc).transpose(-1, -2)
+    dp = dout_acc @ v_r.to(acc).transpose(-1, -2)
     row = (dout_acc * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - row) / math.sqrt(q.shape[-1])
-    return (ds @ k.to(acc)).to(q.dtype), (ds.transpose(-1, -2) @ q.to(acc)).to(k.dtype), dv.to(v.dtype)
+    dk = ds.transpose(-1, -2) @ q.to(acc)
+    return (ds @ k_r.to(acc)).to(q.dtype), _sum_heads(dk, repeats).to(k.dtype), _sum_heads(dv, repeats).to(v.dtype)
+
+
+def _repeat_heads(t: torch.Tensor, repeats: int) -> torch.Tensor:
+    """kv heads repeated to the query heads (query head j uses kv head j // repeats)."""
+    return t.repeat_interleave(repeats, dim=1) if repeats > 1 else t
+
+
+def _sum_heads(t: torch.Tensor, repeats: int) -> torch.Tensor:
+    """The inverse for gradients: query heads that shared a kv head add theirs."""
+    return t.unflatten(1, (t.shape[1] // repeats, repeats)).sum(2) if repeats > 1 else t
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -105,29 +157,30 @@ class _ContextParallelAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, math_kernel):
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
         w = q.shape[_SEQ] // 2
-        k_all, v_all = _gather_keys(k, v, group, cp, w, repeats=q.shape[1] // k.shape[1])
+        kernel = choose_kernel(q, math_kernel=math_kernel)
+        k_all, v_all = _gather_keys(k, v, group, cp, w)
         outs, lses = [], []
         for j, c in enumerate(chunk_ids(cp, cp_rank)):
             q_c = q[:, :, j * w:(j + 1) * w]
             result = attend(q_c, k_all[:, :, c * w:(c + 1) * w], v_all[:, :, c * w:(c + 1) * w], causal=True,
-                            math_kernel=math_kernel)
+                            kernel=kernel)
             if c > 0:
-                earlier = attend(q_c, k_all[:, :, :c * w], v_all[:, :, :c * w], causal=False, math_kernel=math_kernel)
+                earlier = attend(q_c, k_all[:, :, :c * w], v_all[:, :, :c * w], causal=False, kernel=kernel)
                 result = _merge(earlier, result)
             outs.append(result[0])
             lses.append(result[1])
         out, lse = torch.cat(outs, dim=_SEQ), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.math_kernel = group, math_kernel
+        ctx.group, ctx.kernel = group, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, math_kernel = ctx.group, ctx.math_kernel
+        group, kernel = ctx.group, ctx.kernel
         cp, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        w, repeats = q.shape[_SEQ] // 2, q.shape[1] // k.shape[1]
-        k_all, v_all = _gather_keys(k, v, group, cp, w, repeats=repeats)
+        w = q.shape[_SEQ] // 2
+        k_all, v_all = _gather_keys(k, v, group, cp, w)
         dk_all = torch.zeros(k_all.shape, dtype=accumulation_dtype(k.dtype), device=k.device)
         dv_all = torch.zeros_like(dk_all)
         dqs = []
@@ -137,35 +190,29 @@ class _ContextParallelAttention(torch.autograd.Function):
             stats = (out[:, :, rows], lse[:, :, rows])
             own = slice(c * w, (c + 1) * w)
             dq, dk, dv = attend_backward(*args, k_all[:, :, own], v_all[:, :, own], *stats, causal=True,
-                                         math_kernel=math_kernel)
+                                         kernel=kernel)
             dq = dq.to(dk_all.dtype)
             dk_all[:, :, own] += dk
             dv_all[:, :, own] += dv
             if c > 0:
                 before = slice(0, c * w)
                 dq2, dk, dv = attend_backward(*args, k_all[:, :, before], v_all[:, :, before], *stats, causal=False,
-                                              math_kernel=math_kernel)
+                                              kernel=kernel)
                 dq += dq2
                 dk_all[:, :, before] += dk
                 dv_all[:, :, before] += dv
             dqs.append(dq)
-        grads = []
-        for d_all, like in ((dk_all, k), (dv_all, v)):
-            if repeats > 1:  # query heads that shared a kv head add their gradients
-                d_all = d_all.unflatten(1, (like.shape[1], repeats)).sum(2)
-            grads.append(reduce_scatter_dim(_rank_order(d_all, cp, w).contiguous(), group, _SEQ).to(like.dtype))
+        grads = [reduce_scatter_dim(_rank_order(d_all, cp, w).contiguous(), group, _SEQ).to(like.dtype)
+                 for d_all, like in ((dk_all, k), (dv_all, v))]
         return torch.cat(dqs, dim=_SEQ).to(q.dtype), grads[0], grads[1], None, None
 
 
-def _gather_keys(k, v, group, cp, w, *, repeats):
-    out = []
-    for t in (k, v):
-        full = _sequence_order(all_gather_dim(t.contiguous(), group, _SEQ), cp, w)
-        out.append(full.repeat_interleave(repeats, dim=1) if repeats > 1 else full)
-    return out
+def _gather_keys(k, v, group, cp, w):
+    return [_sequence_order(all_gather_dim(t.contiguous(), group, _SEQ), cp, w) for t in (k, v)]
 
 
 def context_parallel_attention(q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor,
                                group: ProcessGroup, *, math_kernel: bool = False) -> torch.Tensor:
-    """Causal attention of this cp rank's queries (its two chunks) over every cp rank's keys."""
+    """Causal attention of this cp rank's queries (its two chunks) over every cp rank's keys (math_kernel: the
+    reference kernel whatever the device)."""
     return _ContextParallelAttention.apply(q_BNSD, k_BKSD, v_BKSD, group, math_kernel)

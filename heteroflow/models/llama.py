@@ -33,16 +33,17 @@ real and imaginary parts), so Hugging Face Llama and Qwen weights load without p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from heteroflow.config.model import ModelSpec
+from heteroflow.models.cross_entropy import IGNORE_INDEX, chunked_loss_sum
 from heteroflow.models.ffn import FeedForward
 from heteroflow.models.moe import MoE
-
-IGNORE_INDEX = -100
-"""Label value whose token does not count in the loss (as in PyTorch and Hugging Face)."""
 
 TIED_PARAMETERS = ("embed.weight", "head.weight")
 """Names of the two parameters that hold one logical tensor when `tie_embeddings` is set."""
@@ -88,28 +89,89 @@ def apply_rope(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return x_BSND * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+Positions = Callable[[int, torch.device], torch.Tensor]
+"""`positions(seq_len, device)`: the global positions of the `seq_len` tokens a module sees (context parallelism's
+`ChunkPositions`); a module without one sees positions 0..seq_len-1."""
+
+
+class RotaryTables:
+    """A stage's RoPE cos and sin tables, built once per (length, positions, device, dtype) and shared by all
+    its blocks and micro-batches: every block rotates the same positions, so the tables autograd saves for the
+    backward are one storage per stage, not one per block and micro-batch (`stagemap.memory.rope_table_bytes`).
+
+    A plain object, not a module: the tables are no state (nothing to save, load or shard)."""
+
+    MAX_ENTRIES = 4
+    """Distinct shapes kept (training uses one; evaluation at other lengths adds a few)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, seq_len: int, device: torch.device, dtype: torch.dtype,
+            positions: Positions | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [seq_len, head_dim] for the tokens `positions` names (0..seq_len-1 when None)."""
+        key = (seq_len, device, dtype, positions)
+        tables = self._tables.get(key)
+        if tables is None:
+            if len(self._tables) >= self.MAX_ENTRIES:
+                self._tables.clear()
+            with torch.no_grad():
+                tables = rope_tables(seq_len, self.head_dim, self.theta, device, dtype,
+                                     positions=None if positions is None else positions(seq_len, device))
+            self._tables[key] = tables
+        return tables
+
+
+@cache
+def sdpa_groups_kv_heads() -> bool:
+    """Whether this torch's `F.scaled_dot_product_attention` takes `enable_gqa` (torch >= 2.5): kv heads used by
+    groups of query heads inside the kernel, without copying K and V to every query head first."""
+    q, kv = torch.zeros(1, 2, 1, 1, device="cpu"), torch.zeros(1, 1, 1, 1, device="cpu")
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
 class AttentionCore(nn.Module):
-    """Causal scaled-dot-product attention with grouped-query kv heads repeated to the query heads.
+    """Causal scaled-dot-product attention of query heads over grouped-query kv heads (query head j uses kv head
+    j // (heads / kv heads), as Hugging Face's repeat_kv): the fused kernel groups them itself (`enable_gqa`);
+    a torch without it gets K and V repeated to the query heads first.
 
     A module of its own so that selective recompute can checkpoint exactly this part.
     """
 
+    def __init__(self):
+        super().__init__()
+        self.groups_kv_heads = sdpa_groups_kv_heads()  # decided here, not in a (compiled) forward
+
     def forward(self, q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor) -> torch.Tensor:
         repeats = q_BNSD.shape[1] // k_BKSD.shape[1]
-        if repeats > 1:  # query head j uses kv head j // repeats, as in Hugging Face's repeat_kv
-            k_BKSD = k_BKSD.repeat_interleave(repeats, dim=1)
-            v_BKSD = v_BKSD.repeat_interleave(repeats, dim=1)
-        return F.scaled_dot_product_attention(q_BNSD, k_BKSD, v_BKSD, is_causal=True)
+        if repeats == 1:
+            return F.scaled_dot_product_attention(q_BNSD, k_BKSD, v_BKSD, is_causal=True)
+        if self.groups_kv_heads:
+            return F.scaled_dot_product_attention(q_BNSD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=True)
+        k_BNSD = k_BKSD.repeat_interleave(repeats, dim=1)
+        v_BNSD = v_BKSD.repeat_interleave(repeats, dim=1)
+        return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA, optional q/k/v bias, per-head q/k RMSNorm and RoPE."""
+    """Multi-head attention with GQA, optional q/k/v bias, per-head q/k RMSNorm and RoPE (`rope`: the stage's
+    shared tables; None builds tables of its own)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, rope: RotaryTables | None = None):
         super().__init__()
         h, d = spec.hidden_size, spec.kv_channels
         self.head_dim = d
-        self.rope_theta = spec.rope_theta if spec.position_embedding == "rope" else None
+        self.rope = None
+        if spec.position_embedding == "rope":
+            self.rope = rope if rope is not None else RotaryTables(d, spec.rope_theta)
+        self.positions: Positions | None = None
+        """The global positions of the tokens this module sees, or None for 0..seq_len-1 (a layout that holds
+        other tokens, such as context parallelism's chunks, sets this)."""
         self.wq = nn.Linear(h, spec.num_attention_heads * d, bias=spec.qkv_bias)
         self.wk = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
         self.wv = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
@@ -117,11 +179,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.core = AttentionCore()
-
-    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
-        """Positions of the `seq_len` tokens this module sees, or None for 0..seq_len-1 (a layout that
-        holds other tokens, such as context parallelism's chunks, overrides this)."""
-        return None
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         # Shapes come from the projections: under tensor/sequence parallelism they hold a subset of
@@ -133,9 +190,8 @@ class Attention(nn.Module):
         v = self.wv(x_BSH).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
-            cos, sin = rope_tables(s, self.head_dim, self.rope_theta, q.device, q.dtype,
-                                   positions=self.positions(s, q.device))
+        if self.rope is not None:
+            cos, sin = self.rope.get(s, q.device, q.dtype, self.positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -145,10 +201,10 @@ class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP of global layer `layer` is
     a `MoE` where the spec says so."""
 
-    def __init__(self, spec: ModelSpec, layer: int = 0):
+    def __init__(self, spec: ModelSpec, layer: int = 0, rope: RotaryTables | None = None):
         super().__init__()
         self.attn_norm = make_norm(spec, spec.hidden_size)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, rope)
         self.mlp_norm = make_norm(spec, spec.hidden_size)
         if spec.is_moe_layer(layer):
             self.mlp = MoE(spec.hidden_size, spec.moe, swiglu=spec.activation == "swiglu")
@@ -161,9 +217,9 @@ class Block(nn.Module):
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy in fp32; labels equal to `IGNORE_INDEX` do not count."""
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
+    """Summed next-token cross entropy in fp32, computed in chunks of tokens (`cross_entropy.chunked_loss_sum`:
+    no fp32 copy of all logits); labels equal to `IGNORE_INDEX` do not count."""
+    return chunked_loss_sum(logits.flatten(0, -2), labels.flatten())
 
 
 class OutputHead(nn.Module):
@@ -184,14 +240,13 @@ class PositionEmbedding(nn.Module):
     def __init__(self, seq_length: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(seq_length, hidden_size))
-
-    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        self.positions: Positions | None = None
         """As `Attention.positions`: None for 0..seq_len-1."""
-        return None
 
     def forward(self, seq_len: int) -> torch.Tensor:
-        positions = self.positions(seq_len, self.weight.device)
-        return self.weight[:seq_len] if positions is None else self.weight[positions]
+        if self.positions is None:
+            return self.weight[:seq_len]
+        return self.weight[self.positions(seq_len, self.weight.device)]
 
 
 class StageModel(nn.Module):
@@ -212,8 +267,9 @@ class StageModel(nn.Module):
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size) if is_first else None
         learned = is_first and spec.position_embedding == "learned"
         self.pos_embed = PositionEmbedding(spec.seq_length, spec.hidden_size) if learned else None
+        rope = RotaryTables(spec.kv_channels, spec.rope_theta) if spec.position_embedding == "rope" else None
         # A ModuleDict keyed by the global index keeps `layers.{i}` names identical under any split.
-        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(first_layer, last_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i, rope) for i in range(first_layer, last_layer)})
         self.norm = make_norm(spec, spec.hidden_size) if is_last else None
         self.head = OutputHead(spec.hidden_size, spec.vocab_size) if is_last else None
         if spec.tie_embeddings and is_first and is_last:
@@ -264,5 +320,5 @@ def count_tokens(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
-__all__ = ["IGNORE_INDEX", "TIED_PARAMETERS", "StageModel", "build_stage_model", "count_tokens", "rope_tables",
-           "apply_rope", "tied_parameter_names", "token_loss_sum"]
+__all__ = ["IGNORE_INDEX", "TIED_PARAMETERS", "RotaryTables", "StageModel", "build_stage_model", "count_tokens",
+           "rope_tables", "apply_rope", "sdpa_groups_kv_heads", "tied_parameter_names", "token_loss_sum"]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from heteroflow.config import JobConfig, PlanSpec
 from heteroflow.errors import UserError
+from heteroflow.models.compile import compile_blocks
 from heteroflow.optim.loss_scale import LossScaler
 from heteroflow.runtime.grad_faults import inject_grad_fault
 from heteroflow.runtime.memory import measured_memory, memory_record, reset_measurement
@@ -114,6 +115,8 @@ def _run_worker(args: WorkerArgs, stop: StopRequest) -> WorkerResult:
         args = replace(args, resume=True)
     init_from = job.resolve_path(train.init_from) if train.init_from else None
     rt = build_stage_runtime(job, plan, rank_map, groups, device=device, init_from=init_from)
+    if train.compile:  # after the layout and the optimizer: the compiled blocks see the final modules
+        compile_blocks(rt.model, device_type=device.torch_device.type)
     if rt.offload_report() is not None and info.dp == 0 and info.tp == 0:  # once per stage: which paths run
         print(f"heteroflow: stage {info.stage} {rt.optimizer.describe()}", flush=True)
     try:  # an offloaded stage's swap files go when this rank ends, also when it fails

@@ -46,9 +46,10 @@ def elementwise_elements(model: ModelSpec, *, tp: int, sp: bool) -> tuple[float,
     """(all, activation function) elements one token reads and writes in a block's elementwise kernels, forward.
 
     Counts heteroflow's model code (models/llama.py), kernel by kernel: two norms and two residual adds (on
-    1/tp of the tokens under sp), q/k norms, RoPE on the local queries and keys, the kv heads repeated to the
-    query heads (grouped-query attention), the attention output made contiguous, and the activation: SwiGLU
-    is silu (read f, write f) and the gate product (read 2f, write f), GELU one kernel (read f, write f).
+    1/tp of the tokens under sp), q/k norms, RoPE on the local queries and keys, the attention output made
+    contiguous, and the activation: SwiGLU is silu (read f, write f) and the gate product (read 2f, write f), GELU
+    one kernel (read f, write f). Grouped-query attention copies nothing: the fused kernel reads the kv heads
+    (`models.llama.AttentionCore`).
     """
     h_e = model.hidden_size / tp if sp else model.hidden_size
     d = model.kv_channels
@@ -59,8 +60,6 @@ def elementwise_elements(model: ModelSpec, *, tp: int, sp: bool) -> tuple[float,
         elements += NORM_PASSES["rmsnorm"] * (q + kv)
     if model.position_embedding == "rope":
         elements += ROPE_PASSES * (q + kv)
-    if q > kv:
-        elements += 2 * (kv + q)
     act_fn = 5 * f if model.activation == "swiglu" else 2 * f
     return elements + act_fn, act_fn
 

@@ -16,8 +16,8 @@ Overlap assumptions:
 - Context parallelism (`models/cp_attention.py`): each block all-gathers K/V over cp before its attention
   in the forward, and gathers them again and reduce-scatters their gradients in the backward, exposed
   (the runtime waits for them); the weights' gradients are all-reduced over cp once per step, in the
-  tail, before the dp reduction. The backward's gathered K/V (repeated to the query heads) and their
-  fp32 gradients are transient memory of one block (`context_parallel_working_bytes`).
+  tail, before the dp reduction. The backward's gathered K/V (at the kv heads) and their fp32 gradients are
+  transient memory of one block (`context_parallel_working_bytes`).
 - A MoE block's all-to-alls (token dispatch and combine in the forward, their adjoints in the backward; again
   in the backward under full recompute) are exposed, on the ep group's links (`comm.ep_alltoall_s`), at the
   expected bytes of uniform routing times the load allowance (`layout.routing`). The routed experts'
@@ -420,7 +420,7 @@ def _base(model: ModelSpec, hw: StageHardware, tp: int, dp: int, cp: int, sp: bo
                                               etp=etp)
                          for rc in ("none", "selective", "full")},
                  memory=_with_cp_working(memory_parts(model, tp=tp, sp=sp, tokens=tokens, precision=precision,
-                                                      capacity_gib=dev.memory_gib, ep=ep, etp=etp),
+                                                      capacity_gib=dev.memory_gib, ep=ep, etp=etp, cp=cp),
                                          context_parallel_working_bytes(model, tokens=tokens, tp=tp, cp=cp,
                                                                         dtype_bytes=act)))
 
@@ -437,11 +437,11 @@ def _topology_fractions(hw: StageHardware, layout: ParallelLayout, emulate: bool
 
 
 def context_parallel_working_bytes(model: ModelSpec, *, tokens: float, tp: int, cp: int, dtype_bytes: int) -> float:
-    """Transient bytes of one block's cp attention backward: the whole sequence's K and V, repeated to this
-    rank's query heads, and their fp32 gradients (0 without cp)."""
+    """Transient bytes of one block's cp attention backward: the whole sequence's K and V at this rank's kv heads
+    (the fused kernels group query heads over them) and their fp32 gradients (0 without cp)."""
     if cp == 1:
         return 0.0
-    heads = model.num_attention_heads // tp * model.kv_channels
+    heads = kv_heads_per_rank(model, tp) * model.kv_channels
     return 2 * tokens * cp * heads * (dtype_bytes + 4)
 
 

@@ -27,15 +27,17 @@ the router and shared expert as in tp); ZeRO shards the routed experts' state ov
 Activations stored per block and micro-batch, on one device: what the runtime's block saves for backward
 (`activation_bytes`, checked against the runtime's meter by `benchmarks/bench_memory.py`): per token the two
 RMSNorms' fp32 inputs, normalized values and outputs (under sp each column-parallel layer keeps its own
-gathered copy of its input), Q, K, V, the attention output, K and V repeated to the
-query heads, the fp32 log-sum-exp per head, SwiGLU's gate, up, activated gate and product, plus the rope
-tables; selective recompute (attention core) drops the repeated K, V and the log-sum-exp, which come back
-while the core is recomputed; full keeps the block input, plus one block's full activations while it runs.
+gathered copy of its input), Q, K, V, the attention output, the fp32 log-sum-exp per head (the fused attention
+kernel groups query heads over the kv heads itself: K and V are not repeated, `models.llama.AttentionCore`),
+SwiGLU's gate, up, activated gate and product; selective recompute (attention core) drops the log-sum-exp, which
+comes back while the core is recomputed; full keeps the block input, plus one block's full activations while it
+runs. The rope tables are built once per stage and shared by its blocks and micro-batches (`rope_table_bytes`).
 Micro-batches in flight per stage: 1F1B keeps min(p - k, m) for stage k (p stages, m micro-batches),
 GPipe all m. Activations offloaded to the CPU leave a window of one block of one micro-batch (the tier copies each
 saved tensor out as it is saved and back when backward needs it, without prefetching).
-The last stage also holds its final norm's activations and the logits of one micro-batch (fp32 log-probabilities
-kept for backward and the logits' gradient, 6 bytes per logit).
+The last stage also holds its final norm's activations and the logits of one micro-batch: the logits kept for the
+backward and their gradient, both in the stage's precision (`logit_bytes`; the chunked cross entropy,
+`models.cross_entropy`, makes no fp32 copy of them).
 Reserve: RESERVE_GIB for the runtime context and communicator buffers plus RESERVE_FRACTION of the
 capacity for allocator fragmentation.
 """
@@ -56,7 +58,6 @@ from heteroflow.layout.state import GRAD_REDUCE_BYTES, optimizer_shards, state_b
 GIB = float(1 << 30)
 RESERVE_GIB = 1.0
 RESERVE_FRACTION = 0.05
-LOGIT_BYTES = 6
 
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -126,12 +127,24 @@ def norm_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, consumers:
 
 
 def attention_core_bytes(model: ModelSpec, *, tokens: float, tp: int, dtype_bytes: int) -> float:
-    """What the attention core keeps for backward and selective recompute drops: key and value repeated to the
-    query heads (grouped-query attention), and the fp32 log-sum-exp per local head and token."""
-    d = model.kv_channels
-    q, kv = model.num_attention_heads // tp * d, kv_heads_per_rank(model, tp) * d
-    repeated = 2 * q if q > kv else 0
-    return tokens * (dtype_bytes * repeated + 4 * (q // d))
+    """What the attention core keeps for backward beyond its inputs and output, and selective recompute drops: the
+    fp32 log-sum-exp per local head and token (a fused kernel that groups query heads over the kv heads keeps no
+    repeated K and V; `dtype_bytes` is unused and kept for the signature's symmetry)."""
+    return tokens * 4 * (model.num_attention_heads // tp)
+
+
+def rope_table_bytes(model: ModelSpec, *, sequence_tokens: float, dtype_bytes: int) -> float:
+    """The stage's RoPE cos and sin tables ([local sequence, head_dim] each, in the stage's precision): one pair
+    per stage, shared by its blocks and micro-batches (`models.llama.RotaryTables`); 0 without RoPE."""
+    if model.position_embedding != "rope":
+        return 0.0
+    return 2 * sequence_tokens * model.kv_channels * dtype_bytes
+
+
+def logit_bytes(dtype_bytes: int) -> int:
+    """Bytes per logit of the last stage's head: the logits kept for the backward and their gradient, both in the
+    stage's precision (`models.cross_entropy`)."""
+    return 2 * dtype_bytes
 
 
 def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, recompute: str, dtype_bytes: int,
@@ -139,7 +152,7 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
     """Stored activations of one block for one micro-batch on one device, as the runtime's block saves them.
 
     Two norms (`norm_bytes`, over h / tp values per token under sp); Q after rope, K, V and the attention output;
-    the attention core's own (`attention_core_bytes`: repeated K and V, log-sum-exp); the rope tables; SwiGLU's
+    the attention core's own (`attention_core_bytes`: the log-sum-exp); SwiGLU's
     gate, up, activated gate and product (a plain MLP: its input to the activation and the activation's output;
     a MoE block: those of its routed pairs, plus `routing_bytes`). Selective recompute drops the core's; full
     keeps only the block input."""
@@ -151,10 +164,9 @@ def activation_bytes(model: ModelSpec, *, tokens: float, tp: int, sp: bool, reco
     f_loc = active_ffn_width(model) / tp
     swiglu = model.activation == "swiglu"
     mlp = (4 if swiglu else 2) * f_loc
-    rope = 2 * model.seq_length * d * dtype_bytes if model.position_embedding == "rope" else 0.0
     norms = (norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=3, dtype_bytes=dtype_bytes)  # wq, wk, wv
              + norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=2 if swiglu else 1, dtype_bytes=dtype_bytes))
-    outside_core = norms + tokens * dtype_bytes * (2 * q + 2 * kv + mlp) + rope
+    outside_core = norms + tokens * dtype_bytes * (2 * q + 2 * kv + mlp)
     if model.moe is not None:
         outside_core += routing_bytes(model, tokens=tokens, tp=tp, sp=sp, etp=tp if etp is None else etp,
                                       dtype_bytes=dtype_bytes)
@@ -195,6 +207,8 @@ class MemoryParts:
     """What the stage computes in (ZeRO-3 reads its state bytes by it, `zero3_state_bytes`)."""
     p_expert: float = 0.0
     """The routed experts' part of `p_layer`: their ZeRO shards and gradient reduction span the expert-dp group."""
+    tables: float = 0.0
+    """Activation bytes held once per stage, whatever its blocks and micro-batches: the rope tables."""
 
     def layer_share(self, dense_ranks: int, expert_ranks: int) -> float:
         """A block's parameters one device keeps of state sharded over `dense_ranks` (the routed experts' over
@@ -203,9 +217,9 @@ class MemoryParts:
 
 
 def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precision: str,
-                 capacity_gib: float, ep: int = 1, etp: int | None = None) -> MemoryParts:
+                 capacity_gib: float, ep: int = 1, etp: int | None = None, cp: int = 1) -> MemoryParts:
     """The pieces of a stage's memory that do not depend on ZeRO, recompute and offload (the expert layout `ep`,
-    `etp` sets which experts a device holds)."""
+    `etp` sets which experts a device holds; `cp` the share of a sequence a device holds)."""
     wb, gb, ob = state_bytes_per_param(precision)
     act = dtype_bytes(precision)
     p_layer, p_embed, p_head, tied = _params(model, tp, ep, etp)
@@ -215,17 +229,18 @@ def memory_parts(model: ModelSpec, *, tp: int, sp: bool, tokens: float, precisio
                "selective": attention_core_bytes(model, tokens=tokens, tp=tp, dtype_bytes=act)}
     # The last stage's head: the final norm's saved activations and the logits of one micro-batch.
     head = (norm_bytes(model, tokens=tokens, tp=tp, sp=sp, consumers=1, dtype_bytes=act)
-            + tokens * model.vocab_size / tp * LOGIT_BYTES)
+            + tokens * model.vocab_size / tp * logit_bytes(act))
     return MemoryParts(p_layer=p_layer, p_embed=p_embed, p_head=p_head, tied=tied, stored=stored, working=working,
                        logits=head,
                        reserve=(RESERVE_GIB + RESERVE_FRACTION * capacity_gib) * GIB, wb=wb, gb=gb, ob=ob,
-                       p_expert=expert_params_per_rank(model, tp, ep=ep, etp=etp), precision=precision)
+                       p_expert=expert_params_per_rank(model, tp, ep=ep, etp=etp), precision=precision,
+                       tables=rope_table_bytes(model, sequence_tokens=model.seq_length / cp, dtype_bytes=act))
 
 
 def memory_model(model: ModelSpec, layout: ParallelLayout, *, tokens: float, precision: str, capacity_gib: float) -> MemoryModel:
     """The memory model of one device of a stage with `layout`, `tokens` tokens per micro-batch per device."""
     parts = memory_parts(model, tp=layout.tp, sp=layout.sp, tokens=tokens, precision=precision,
-                         capacity_gib=capacity_gib, ep=layout.ep, etp=layout.etp)
+                         capacity_gib=capacity_gib, ep=layout.ep, etp=layout.etp, cp=layout.cp)
     return memory_from_parts(parts, layout)
 
 
@@ -248,7 +263,7 @@ def memory_from_parts(parts: MemoryParts, layout: ParallelLayout) -> MemoryModel
         else:
             weights = state(parts.wb, 1)
         optimizer = _ZERO if off.optimizer != "device" else optimizer_state(parts, layout)
-    stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
+    stored, working = parts.stored[layout.recompute], parts.working[layout.recompute] + parts.tables
     if off.activations != "device":
         activations = Affine(stored + working, 0.0, 0.0, 0.0, 0.0, 0.0)
     else:
@@ -348,7 +363,7 @@ def memory_total_from_parts(parts: MemoryParts, layout: ParallelLayout) -> Affin
             first += p_embed * k
             last += p_head * k
             both += tied * k
-    stored, working = parts.stored[layout.recompute], parts.working[layout.recompute]
+    stored, working = parts.stored[layout.recompute], parts.working[layout.recompute] + parts.tables
     in_flight = 0.0
     if off.activations != "device":
         const += stored + working

@@ -52,8 +52,8 @@ LAYOUTS.update(MOE_LAYOUTS)
 
 def unseen_on_cpu(job, plan, stage: int) -> float:
     """Bytes of plan stage `stage`'s planned peak that exist on a device but that CPU emulation cannot count:
-    a recomputed block's tensors (saved under the checkpoint's own hooks, never ours), the CPU activation
-    tier's window (tensors back on the device only inside backward), and offloaded parameters' prefetched block
+    a recomputed block's tensors (saved under the checkpoint's own hooks, never ours; the stage's rope tables
+    too, under full recompute), the CPU activation tier's window (tensors back on the device only inside backward), and offloaded parameters' prefetched block
     (in emulation the host tier is the device: blocks are used in place, never copied ahead)."""
     from heteroflow.stagemap.memory import memory_parts
 
@@ -61,10 +61,12 @@ def unseen_on_cpu(job, plan, stage: int) -> float:
     tokens = plan.micro_batch_size / layout.dp * job.model.seq_length / layout.cp
     parts = memory_parts(job.model, tp=layout.tp, sp=layout.sp, tokens=tokens,
                          precision=layout.compute_precision(job.train.precision), capacity_gib=0.0,
-                         ep=layout.ep, etp=layout.etp)
+                         ep=layout.ep, etp=layout.etp, cp=layout.cp)
     unseen = parts.working[layout.recompute]
     if layout.offload.activations != "device":  # the last stage's head too: its saved tensors went to the host
         unseen += parts.stored[layout.recompute] + (parts.logits if stage == len(plan.stages) - 1 else 0.0)
+    if layout.offload.activations != "device" or layout.recompute == "full":
+        unseen += parts.tables  # the stage's rope tables, saved only under the tier's or the checkpoint's hooks
     if layout.offload.params != "device":
         unseen += parts.p_layer * parts.wb
     return unseen

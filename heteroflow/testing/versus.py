@@ -27,6 +27,11 @@ MODEL_KEYS = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "seq", "m
 """The arguments every worker gets again (`passthrough`)."""
 
 
+QUICK = ("--layers", "1", "--hidden", "64", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "256",
+         "--seq", "32", "--steps", "2", "--rounds", "1")
+"""What `--quick` means: the tiny sizes a test runs so that a refactor cannot break a benchmark unnoticed."""
+
+
 def model_args(description: str, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
                extra: Callable[[argparse.ArgumentParser], None] | None = None,
                passthrough: tuple[str, ...] = ()) -> Callable[[list[str]], argparse.Namespace]:
@@ -47,9 +52,13 @@ def model_args(description: str, *, layers: int, hidden: int, ffn: int, heads: i
         p.add_argument("--rounds", type=int, default=2, help="alternating runs of each side")
         p.add_argument("--dir", default=None, help="scratch directory (default: the system temp directory)")
         p.add_argument("--worker", help=argparse.SUPPRESS)
+        p.add_argument("--quick", action="store_true", help="tiny model, 2 steps, one run per side (what the test "
+                       "suite runs; later arguments still override it)")
         if extra is not None:
             extra(p)
         a = p.parse_args(argv)
+        if a.quick:
+            a = p.parse_args([*QUICK, *argv])
         a.passthrough = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in (*MODEL_KEYS, *passthrough)]
         return a
 

@@ -118,3 +118,28 @@ def test_bad_stage_bounds_are_rejected():
         build_stage_model(BASE, first_layer=1, last_layer=3, is_first=True, is_last=True)
     with pytest.raises(ValueError, match="tp group"):
         parallelize_stage(stage(BASE, 0, 3), layout=ParallelLayout(tp=2))
+
+
+def test_rope_tables_are_built_once_per_stage_and_saved_once():
+    """Every block and micro-batch of a stage rotates with the same cached cos/sin tables: autograd saves two table
+    storages per stage (what `stagemap.memory.rope_table_bytes` prices), equal to freshly built ones."""
+    from heteroflow.models.llama import rope_tables
+
+    model = stage(BASE, 0, BASE.num_layers)
+    assert len({id(block.attn.rope) for block in model.layers.values()}) == 1
+    storages = set()
+
+    def pack(t):  # the tables are saved as [seq, 1, head_dim] views
+        if t.numel() == BASE.seq_length * BASE.kv_channels and t.shape[-1] == BASE.kv_channels and not t.requires_grad:
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    x = torch.randint(0, BASE.vocab_size, (2, BASE.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for _ in range(2):  # two micro-batches
+            model(x[:, :-1], x[:, 1:]).backward()
+    assert len(storages) == 2
+    cached = model.layers["0"].attn.rope.get(BASE.seq_length, x.device, torch.float32, None)
+    for got, want in zip(cached, rope_tables(BASE.seq_length, BASE.kv_channels, BASE.rope_theta, x.device,
+                                             torch.float32)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

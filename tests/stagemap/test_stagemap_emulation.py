@@ -98,10 +98,11 @@ def test_curves_interpolate_in_log_size_and_fall_off_below_the_smallest():
 
 def test_elementwise_traffic_counts_heteroflow_kernels_by_hand():
     # tiny-llama: h 128, 8 heads of 16 (q 128), 4 kv heads (kv 64), SwiGLU f 344, RMSNorm, RoPE.
-    # norms 2 x 7h, adds 2 x 3h, contiguous attention output 2q, RoPE 10 (q + kv), kv repeated 2 (kv + q), act 5f.
+    # norms 2 x 7h, adds 2 x 3h, contiguous attention output 2q, RoPE 10 (q + kv), act 5f; the fused attention
+    # kernel groups query heads over the kv heads without copying them.
     full, act = elementwise_elements(TINY, tp=1, sp=False)
     assert act == 5 * 344
-    assert full == 20 * 128 + 2 * 128 + 10 * 192 + 2 * 192 + 5 * 344 == 6840
+    assert full == 20 * 128 + 2 * 128 + 10 * 192 + 5 * 344 == 6456
     assert elementwise_elements(TINY, tp=2, sp=True)[0] == pytest.approx(full / 2)  # every term splits over tp
     assert elementwise_elements(TINY, tp=2, sp=False)[0] == pytest.approx(full / 2 + 20 * 128 / 2)  # norms, adds whole
     gpt = ModelSpec(num_layers=1, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_kv_heads=4,
