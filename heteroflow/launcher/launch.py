@@ -14,11 +14,13 @@ workers by node rank (the order nodes joined) then local rank, which need not be
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -111,10 +113,56 @@ class _AwareUTC(datetime.datetime):
         return datetime.datetime.now(datetime.timezone.utc)
 
 
+def _field_names(config_type: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(config_type)}
+
+
+_OUR_SIGNALS = "SIGHUP,SIGQUIT"
+"""The signals torch elastic's agent still turns into an exception; SIGTERM and SIGINT are `StopController`'s."""
+
+
+def elastic_signal_options(config_type: type) -> dict[str, Any]:
+    """`LaunchConfig` options that leave SIGTERM and SIGINT to `StopController`, where this torch has them (an
+    older agent installs its own handlers when it starts the workers: see `elastic_stop_handlers`)."""
+    fields = _field_names(config_type)
+    if "signals_to_handle" not in fields:
+        return {}
+    # The workers handle SIGTERM too, so elastic's own SIGTERM to the others after a failure may be held up by a
+    # rank blocked in a collective: it is followed by SIGKILL after a few seconds.
+    return {"signals_to_handle": _OUR_SIGNALS, **({"shutdown_timeout": 5} if "shutdown_timeout" in fields else {})}
+
+
+@contextlib.contextmanager
+def elastic_stop_handlers(processes_api: ModuleType, stop: StopController, *, needed: bool) -> Iterator[None]:
+    """On a torch whose agent takes every signal (`signal.signal(SIGTERM, _terminate_process_handler)` each time
+    it starts workers, torch before `signals_to_handle`), route SIGTERM and SIGINT to `stop` while inside.
+
+    `processes_api` is `torch.distributed.elastic.multiprocessing.api`; the agent looks its handler up by name
+    when it installs it, so replacing the name is enough. `needed`: False leaves torch as it is.
+    """
+    if not needed:
+        yield
+        return
+    own = processes_api._terminate_process_handler
+
+    def handler(signum: int, frame: Any) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            stop.handle(signum, frame)
+        else:
+            own(signum, frame)
+
+    processes_api._terminate_process_handler = handler
+    try:
+        yield
+    finally:
+        processes_api._terminate_process_handler = own
+
+
 def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict[int, Any]:
     """Run `entrypoint(*args)` on every local rank; return each rank's return value by plan rank, or raise
     `TrainingFailed` (`RendezvousFailed` when the nodes could not meet)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import api as processes_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -140,10 +188,8 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
         max_restarts=spec.max_restarts, monitor_interval=0.1, start_method="spawn", role="heteroflow",
         log_line_prefix_template="[rank ${rank}] " if spec.rank_order is None else "[local rank ${local_rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee),
-        # SIGTERM and SIGINT are ours (`StopController`): the ranks stop after a step instead of at once. The
-        # workers handle them too, so elastic's own SIGTERM to the others after a failure may be held up by a
-        # rank blocked in a collective: it is followed by SIGKILL after a few seconds.
-        signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=5,
+        # SIGTERM and SIGINT are ours (`StopController`): the ranks stop after a step instead of at once.
+        **elastic_signal_options(LaunchConfig),
     )
     order = spec.rank_order
     # Workers inherit the environment: keep many CPU ranks from oversubscribing the cores. Elastic's shared
@@ -153,7 +199,8 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", ENV_ERROR_DIR: str(error_dir(log_dir)),
            ENV_STOP_FILE: str(stop_file), **spec.env}
-    with worker_environment(env), quiet_elastic_logs(), StopController(stop_file, grace_s=spec.stop_grace_s) as stop:
+    with worker_environment(env), quiet_elastic_logs(), StopController(stop_file, grace_s=spec.stop_grace_s) as stop, \
+            elastic_stop_handlers(processes_api, stop, needed="signals_to_handle" not in _field_names(LaunchConfig)):
         try:
             results = elastic_launch(config, entrypoint)(*args)
         except SignalException:

@@ -58,7 +58,7 @@ class StopController:
         self.stop_file.unlink(missing_ok=True)
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
-                self._saved[signum] = signal.signal(signum, self._handle)
+                self._saved[signum] = signal.signal(signum, self.handle)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,7 +70,8 @@ class StopController:
         self._saved.clear()
         self.stop_file.unlink(missing_ok=True)
 
-    def _handle(self, signum: int, _frame) -> None:
+    def handle(self, signum: int, _frame) -> None:
+        """The handler of SIGTERM and SIGINT: the first asks the ranks to stop, a second kills them."""
         if not self.signum:
             self.signum = signum
             self.stop_file.write_text(str(signum))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import types
@@ -104,6 +105,10 @@ class _RecordingBoundary:
     def send_grad(self, tensor):
         self.log.append((BACKWARD, len([e for e in self.log if e[0] == BACKWARD])))
         return _Handle()
+
+    def together(self):
+        """A send and the next receive batched (`StageBoundary.together`): the order of the log is unchanged."""
+        return contextlib.nullcontext()
 
 
 def _runtime_order(schedule: str, num_stages: int, stage: int, num_micro_batches: int) -> list[tuple[str, int]]:
