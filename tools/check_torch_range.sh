@@ -11,7 +11,7 @@
 #    (NEW_PYTHON), every rank a CPU process (--emulate).
 # 3. The same job as three nodes on 127.0.0.1 (`--node NAME --rdzv`): gpu-0 and dcu-0 on the newer torch,
 #    npu-0 on the floor.
-# 4. Checks: the three runs' losses are equal step for step, and a ZeRO-3 stage on the floor torch is refused
+# 4. Checks: the three runs' losses are equal step for step (within 1e-5 relative: see TOLERANCE), and a ZeRO-3 stage on the floor torch is refused
 #    by name (exit 2) rather than failing inside torch.
 # Exit 0 when every check passes; the losses and versions are printed.
 set -euo pipefail
@@ -120,16 +120,26 @@ steps = len(runs["newer"])
 print("step " + "".join(f"{name:>20}" for name in runs))
 for i in range(steps):
     print(f"{i:4d} " + "".join(f"{runs[name][i]:20.15f}" if i < len(runs[name]) else f"{'-':>20}" for name in runs))
+# Equal within float tolerance, not bit for bit: builds before 2.5 have no grouped-query SDPA (`enable_gqa`), so
+# their attention copies K/V to every head and rounds differently in the last bits.
+TOLERANCE = 1e-5
 failed = []
 for name in ("floor", "mixed"):
-    if runs[name] != runs["newer"]:
-        failed.append(f"{name} run's losses differ from the newer torch's single-version run")
+    if len(runs[name]) != steps:
+        failed.append(f"{name} run recorded {len(runs[name])} losses, the single-version run {steps}")
+        continue
+    worst = max((abs(a - b) / abs(b) for a, b in zip(runs[name], runs["newer"])), default=0.0)
+    print(f"{name}: largest relative difference from the single-version run {worst:.2e}")
+    if worst > TOLERANCE:
+        failed.append(f"{name} run's losses differ from the newer torch's single-version run by {worst:.2e} "
+                      f"(relative; tolerance {TOLERANCE:g})")
 if steps == 0:
     failed.append("no losses recorded")
 refused = "ZeRO-3 (zero: 3) needs torch >=" in (out / "zero3.out").read_text()
 if zero3_rc != 2 or not refused:
     failed.append(f"ZeRO-3 on the floor torch: exit {zero3_rc}, expected 2 with the 'needs torch >=' message")
-print("\n".join(failed) if failed else f"torch range check passed: {steps} steps, losses equal bit for bit")
+print("\n".join(failed) if failed else
+      f"torch range check passed: {steps} steps, losses equal within {TOLERANCE:g} relative")
 sys.exit(1 if failed else 0)
 EOF
 rm -rf "$OUT"  # kept (with every run's output and logs) only when a check failed
