@@ -5,7 +5,7 @@ pipeline, to the (layers, layout) options not dominated in (forward, backward, t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +31,8 @@ class LayoutTable:
     costs: list[StageCosts]
     coef: np.ndarray
     capacity_bytes: float
+    bounds: dict = field(default_factory=dict)
+    """`least_curve`'s per-position figures that do not depend on the micro-batches in flight (cached)."""
 
 
 def coefficients(c: StageCosts) -> list[float]:
@@ -131,21 +133,36 @@ def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, 
     """By layer count, over the layouts that fit: (least F + B, least m (F + B) + tail with m =
     `micro_batches`, least tail), boundary transfers excluded; inf where nothing fits. What the planner's
     bounds need, without the per-position reduction."""
-    c = table.coef
+    key = (first, last, max_layers, micro_batches)
+    if key not in table.bounds:
+        table.bounds[key] = _least_parts(table.coef, first=first, last=last, max_layers=max_layers,
+                                         micro_batches=micro_batches)
+    m0, per_layer, per_flight, time, tail, own_all = table.bounds[key]
+    if not len(m0):
+        return np.full(max_layers, np.inf), np.full(max_layers, np.inf), np.full(max_layers, np.inf)
+    layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
+    mslope = per_layer + in_flight * per_flight
+    fits = m0[None, :] + mslope[None, :] * layers <= table.capacity_bytes
+    least = np.where(fits, time, np.inf).min(axis=1)
+    own = np.where(fits, own_all, np.inf).min(axis=1)
+    return least, own, np.where(fits, tail, np.inf).min(axis=1)
+
+
+def _least_parts(c: np.ndarray, *, first: bool, last: bool, max_layers: int, micro_batches: int) -> tuple:
+    """What `least_curve` needs at one position whatever the micro-batches in flight, over the layouts no other
+    beats there in every figure it reads (time and tail per layer and at the ends, constant memory, memory per
+    layer and per layer in flight): a layout so beaten fits wherever the other fits and is no faster, so the
+    least values are the same (rounding is monotone)."""
     both = first and last
     f0 = c[:, _FF] * first + c[:, _FL] * last + c[:, _BF] * first + c[:, _BL] * last
     t0 = c[:, _TC] + c[:, _TF] * first + c[:, _TLA] * last + c[:, _TB] * both
     m0 = c[:, _MC] + c[:, _MF] * first + c[:, _MLA] * last + c[:, _MB] * both
-    mslope = c[:, _ML] + in_flight * c[:, _MI]
+    rate = c[:, _F] + c[:, _B]
+    keep = np.array(_skyline(np.stack([rate, f0, c[:, _TL], t0, m0, c[:, _ML], c[:, _MI]], axis=1)), dtype=int)
     layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
-    if not len(c):
-        return np.full(max_layers, np.inf), np.full(max_layers, np.inf), np.full(max_layers, np.inf)
-    fits = m0[None, :] + mslope[None, :] * layers <= table.capacity_bytes
-    time = (c[:, _F] + c[:, _B])[None, :] * layers + f0[None, :]
-    least = np.where(fits, time, np.inf).min(axis=1)
-    tail = c[:, _TL][None, :] * layers + t0[None, :]
-    own = np.where(fits, micro_batches * time + tail, np.inf).min(axis=1)
-    return least, own, np.where(fits, tail, np.inf).min(axis=1)
+    time = rate[keep][None, :] * layers + f0[keep][None, :]
+    tail = c[keep, _TL][None, :] * layers + t0[keep][None, :]
+    return m0[keep], c[keep, _ML], c[keep, _MI], time, tail, micro_batches * time + tail
 
 
 class StageOptions:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -148,3 +149,39 @@ def test_the_layout_skyline_keeps_exactly_the_rows_no_other_row_beats():
         expected = [i for i, r in enumerate(rows)
                     if not any((rows[j] <= r).all() and ((rows[j] < r).any() or j < i) for j in range(len(rows)) if j != i)]
         assert _skyline(rows) == expected
+
+
+def test_least_curve_over_its_narrowed_layouts_gives_the_same_floats_as_over_all_of_them():
+    from heteroflow.stagemap import options
+    from heteroflow.stagemap.estimate import job_hardware
+    from heteroflow.stagemap.search import Planner
+    job = load_job(REPO / "configs" / "jobs" / "emulated-three-vendor.yaml")
+    planner = Planner(job, job_hardware(job, None), SearchOptions())
+    layers, checked = job.model.num_layers, 0
+    for c, cls in enumerate(planner.classes):
+        for size in (1, 2, cls.num_devices):
+            for mbs in (1, 2, 4):
+                if not planner.layouts(c, size, mbs):
+                    continue
+                table = planner.table(c, size, mbs)
+                k = table.coef
+                for first, last, in_flight, m in itertools.product((False, True), (False, True), (1, 3, 8), (1, 8)):
+                    got = options.least_curve(table, first=first, last=last, in_flight=in_flight,
+                                              max_layers=layers, micro_batches=m)
+                    # every layout of the table, as the curve was priced before it was narrowed
+                    f0 = (k[:, options._FF] * first + k[:, options._FL] * last + k[:, options._BF] * first
+                          + k[:, options._BL] * last)
+                    t0 = (k[:, options._TC] + k[:, options._TF] * first + k[:, options._TLA] * last
+                          + k[:, options._TB] * (first and last))
+                    m0 = (k[:, options._MC] + k[:, options._MF] * first + k[:, options._MLA] * last
+                          + k[:, options._MB] * (first and last))
+                    n = np.arange(1, layers + 1, dtype=float)[:, None]
+                    fits = m0[None, :] + (k[:, options._ML] + in_flight * k[:, options._MI])[None, :] * n \
+                        <= table.capacity_bytes
+                    time = (k[:, options._F] + k[:, options._B])[None, :] * n + f0[None, :]
+                    tail = k[:, options._TL][None, :] * n + t0[None, :]
+                    want = (np.where(fits, time, np.inf).min(axis=1), np.where(fits, m * time + tail, np.inf).min(axis=1),
+                            np.where(fits, tail, np.inf).min(axis=1))
+                    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+                    checked += 1
+    assert checked >= 24
