@@ -185,3 +185,40 @@ def test_least_curve_over_its_narrowed_layouts_gives_the_same_floats_as_over_all
                     assert all(np.array_equal(a, b) for a, b in zip(got, want))
                     checked += 1
     assert checked >= 24
+
+
+def _slot_curve_over_every_row(table, *, first, last, in_flight, max_layers):
+    """`slot_curve` as it was before its rows were narrowed per position: the skyline over every table row."""
+    from heteroflow.stagemap import options as o
+    c, both = table.coef, first and last
+    f0, b0 = c[:, o._FF] * first + c[:, o._FL] * last, c[:, o._BF] * first + c[:, o._BL] * last
+    t0 = c[:, o._TC] + c[:, o._TF] * first + c[:, o._TLA] * last + c[:, o._TB] * both
+    m0 = c[:, o._MC] + c[:, o._MF] * first + c[:, o._MLA] * last + c[:, o._MB] * both
+    mslope, room = c[:, o._ML] + in_flight * c[:, o._MI], table.capacity_bytes - m0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lmax = np.where(mslope > 0, np.floor(room / np.where(mslope > 0, mslope, 1.0)),
+                        np.where(room >= 0, max_layers, -1))
+    lmax = np.minimum(lmax, max_layers)
+    rows = np.stack([c[:, o._F], f0, c[:, o._B], b0, c[:, o._TL], t0, -lmax], axis=1)
+    live = [i for i in o._skyline(rows) if lmax[i] >= 1]
+    layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
+    return ([table.layouts[i] for i in live], c[live, o._F][None, :] * layers + f0[live][None, :],
+            c[live, o._B][None, :] * layers + b0[live][None, :], c[live, o._TL][None, :] * layers + t0[live][None, :],
+            lmax[live][None, :] >= layers)
+
+
+def test_slot_curve_keeps_the_layouts_and_floats_of_the_skyline_over_every_row():
+    from heteroflow.stagemap.options import LayoutTable, slot_curve
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(0, 60))
+        # small integers: many ties, so the tie rule (the first row stays) is exercised
+        coef = rng.integers(0, 4, size=(n, 17)).astype(float)
+        table = LayoutTable([f"layout {i}" for i in range(n)], [None] * n, coef, float(rng.integers(4, 40)))
+        for first, last, in_flight in itertools.product((False, True), (False, True), (1, 2, 5)):
+            curve = slot_curve(table, first=first, last=last, in_flight=in_flight, max_layers=6)
+            layouts, fwd, bwd, tail, fits = _slot_curve_over_every_row(table, first=first, last=last,
+                                                                        in_flight=in_flight, max_layers=6)
+            assert curve.layouts == layouts
+            for got, want in ((curve.forward, fwd), (curve.backward, bwd), (curve.tail, tail), (curve.fits, fits)):
+                assert got.shape[1] == want.shape[1] and (not want.size or np.array_equal(got, want))
