@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from functools import lru_cache
 
 from heteroflow.config.model import ModelSpec
 from heteroflow.layout import OffloadSpec, ParallelLayout, tp_valid
@@ -71,6 +72,21 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
     a node, cp over the rest as `cp_choices` allows (only the degrees in `cp`, when given), dp the rest;
     `offload_zero` as in `offload_allowed`; a MoE model's with each of its `expert_choices` (ep in `ep`, when
     given; none but ep 1 without `expert_parallel`)."""
+    def frozen(choices):
+        return None if choices is None else tuple(choices)
+
+    return list(_search_layouts(model, num_devices, node_count, micro_batch_size, tuple(zero), tuple(recompute),
+                                tuple(offload), tuple(sp), frozen(offload_zero), precision, frozen(cp), frozen(ep),
+                                expert_parallel))
+
+
+@lru_cache(maxsize=256)
+def _search_layouts(model: ModelSpec, num_devices: int, node_count: int, micro_batch_size: int, zero: tuple[int, ...],
+                    recompute: tuple[str, ...], offload: tuple[OffloadSpec, ...], sp: tuple[bool, ...],
+                    offload_zero: tuple[int, ...] | None, precision: str | None, cp: tuple[int, ...] | None,
+                    ep: tuple[int, ...] | None, expert_parallel: bool) -> tuple[ParallelLayout, ...]:
+    """`search_layouts`, cached: the planner asks again for every class of the same device type and node size,
+    and for the baselines."""
     out = []
     for tp in tp_choices(model, num_devices, node_count):
         for c in cp_choices(num_devices, node_count, tp):
@@ -84,7 +100,7 @@ def search_layouts(model: ModelSpec, *, num_devices: int, node_count: int, micro
                 if searched(lay, model, micro_batch_size=micro_batch_size) and offload_allowed(
                         lay, offload_zero=offload_zero):
                     out.append(lay)
-    return out
+    return tuple(out)
 
 
 def searched(lay: ParallelLayout, model: ModelSpec, *, micro_batch_size: int) -> bool:

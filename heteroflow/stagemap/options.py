@@ -5,7 +5,7 @@ pipeline, to the (layers, layout) options not dominated in (forward, backward, t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +31,8 @@ class LayoutTable:
     costs: list[StageCosts]
     coef: np.ndarray
     capacity_bytes: float
+    bounds: dict = field(default_factory=dict)
+    """`least_curve`'s per-position figures that do not depend on the micro-batches in flight (cached)."""
 
 
 def coefficients(c: StageCosts) -> list[float]:
@@ -97,33 +99,62 @@ class SlotCurve:
 
 def slot_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, max_layers: int) -> SlotCurve:
     """The options of a stage at one position (boundary transfers excluded: they add the same to all)."""
-    c = table.coef
-    both = first and last
-    f0 = c[:, _FF] * first + c[:, _FL] * last
-    b0 = c[:, _BF] * first + c[:, _BL] * last
-    t0 = c[:, _TC] + c[:, _TF] * first + c[:, _TLA] * last + c[:, _TB] * both
-    m0 = c[:, _MC] + c[:, _MF] * first + c[:, _MLA] * last + c[:, _MB] * both
+    key = ("slot", first, last)
+    if key not in table.bounds:
+        table.bounds[key] = _slot_parts(table.coef, first=first, last=last)
+    cand, c, f0, b0, t0, m0, beats_if_holds, beats_if_more = table.bounds[key]
     mslope = c[:, _ML] + in_flight * c[:, _MI]
     room = table.capacity_bytes - m0
     with np.errstate(divide="ignore", invalid="ignore"):
         lmax = np.where(mslope > 0, np.floor(room / np.where(mslope > 0, mslope, 1.0)),
                         np.where(room >= 0, max_layers, -1))
     lmax = np.minimum(lmax, max_layers)
-    # Drop layouts another one beats at every layer count here (times and room for layers).
-    rows = np.stack([c[:, _F], f0, c[:, _B], b0, c[:, _TL], t0, -lmax], axis=1)
-    live = np.array([i for i in _skyline(rows) if lmax[i] >= 1], dtype=int)
+    # Drop layouts another one beats at every layer count here (times and room for layers): the skyline of
+    # (times, -lmax) rows, `_skyline`'s rule with the time part of the comparison precomputed.
+    holds = lmax[None, :] >= lmax[:, None]  # holds[j, i]: layout i fits at least as many layers as j
+    beaten = ((beats_if_holds & holds) | (beats_if_more & (lmax[None, :] > lmax[:, None]))).any(axis=1)
+    live = np.flatnonzero(~beaten & (lmax >= 1))  # table order: simpler layouts first
     layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
     if len(live) == 0:
         empty = np.zeros((max_layers, 0))
         return SlotCurve(empty, empty, empty, empty.astype(bool), [], np.full(max_layers, np.inf), np.inf)
-    live = np.array(sorted(live), dtype=int)  # table order: simpler layouts first
     fwd = c[live, _F][None, :] * layers + f0[live][None, :]
     bwd = c[live, _B][None, :] * layers + b0[live][None, :]
     tail = c[live, _TL][None, :] * layers + t0[live][None, :]
     fits = lmax[live][None, :] >= layers
     least = np.where(fits, fwd + bwd, np.inf).min(axis=1)
     least_tail = float(np.where(fits[0], tail[0], np.inf).min())
-    return SlotCurve(fwd, bwd, tail, fits, [table.layouts[i] for i in live], least, least_tail)
+    return SlotCurve(fwd, bwd, tail, fits, [table.layouts[cand[i]] for i in live.tolist()], least, least_tail)
+
+
+def _slot_parts(c: np.ndarray, *, first: bool, last: bool) -> tuple:
+    """What `slot_curve` needs at one position whatever the micro-batches in flight.
+
+    The table rows it can keep: it drops row j when a row i is <= it in forward, backward and tail (per layer
+    and at this position) and in memory (constant, per layer, per layer in flight), and i either comes first in
+    the table or is < it in a time column. Such an i holds at least as many layers as j and comes before it in
+    the skyline (ties keep the first row), so j would be dropped there too, and every row j beats, i beats (the
+    relation is transitive); the kept rows and their order are the same.
+
+    For those rows: their coefficients, the position's constant parts, and the time part of the skyline test:
+    [j, i] true where i's times are <= j's and either i is < j in one or comes first (then i beats j if it holds
+    as many layers), and true where i's times are <= j's (then i beats j if it holds more layers)."""
+    both = first and last
+    times = np.stack([c[:, _F], c[:, _FF] * first + c[:, _FL] * last, c[:, _B], c[:, _BF] * first + c[:, _BL] * last,
+                      c[:, _TL], c[:, _TC] + c[:, _TF] * first + c[:, _TLA] * last + c[:, _TB] * both], axis=1)
+    memory = np.stack([c[:, _MC] + c[:, _MF] * first + c[:, _MLA] * last + c[:, _MB] * both, c[:, _ML], c[:, _MI]],
+                      axis=1)
+    rows = np.concatenate([times, memory], axis=1)
+    below = (rows[None, :, :] <= rows[:, None, :]).all(axis=2)  # below[j, i]: row i <= row j everywhere
+    faster = (times[None, :, :] < times[:, None, :]).any(axis=2)
+    earlier = np.tri(len(rows), k=-1, dtype=bool)  # earlier[j, i]: i before j
+    cand = np.flatnonzero(~(below & (faster | earlier)).any(axis=1))
+    times, memory = times[cand], memory[cand]
+    no_slower = (times[None, :, :] <= times[:, None, :]).all(axis=2)
+    faster = (times[None, :, :] < times[:, None, :]).any(axis=2)
+    earlier = np.tri(len(cand), k=-1, dtype=bool)
+    return (cand, c[cand], times[:, 1], times[:, 3], times[:, 5], memory[:, 0], no_slower & (faster | earlier),
+            no_slower)
 
 
 def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, max_layers: int,
@@ -131,21 +162,36 @@ def least_curve(table: LayoutTable, *, first: bool, last: bool, in_flight: int, 
     """By layer count, over the layouts that fit: (least F + B, least m (F + B) + tail with m =
     `micro_batches`, least tail), boundary transfers excluded; inf where nothing fits. What the planner's
     bounds need, without the per-position reduction."""
-    c = table.coef
+    key = (first, last, max_layers, micro_batches)
+    if key not in table.bounds:
+        table.bounds[key] = _least_parts(table.coef, first=first, last=last, max_layers=max_layers,
+                                         micro_batches=micro_batches)
+    m0, per_layer, per_flight, time, tail, own_all = table.bounds[key]
+    if not len(m0):
+        return np.full(max_layers, np.inf), np.full(max_layers, np.inf), np.full(max_layers, np.inf)
+    layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
+    mslope = per_layer + in_flight * per_flight
+    fits = m0[None, :] + mslope[None, :] * layers <= table.capacity_bytes
+    least = np.where(fits, time, np.inf).min(axis=1)
+    own = np.where(fits, own_all, np.inf).min(axis=1)
+    return least, own, np.where(fits, tail, np.inf).min(axis=1)
+
+
+def _least_parts(c: np.ndarray, *, first: bool, last: bool, max_layers: int, micro_batches: int) -> tuple:
+    """What `least_curve` needs at one position whatever the micro-batches in flight, over the layouts no other
+    beats there in every figure it reads (time and tail per layer and at the ends, constant memory, memory per
+    layer and per layer in flight): a layout so beaten fits wherever the other fits and is no faster, so the
+    least values are the same (rounding is monotone)."""
     both = first and last
     f0 = c[:, _FF] * first + c[:, _FL] * last + c[:, _BF] * first + c[:, _BL] * last
     t0 = c[:, _TC] + c[:, _TF] * first + c[:, _TLA] * last + c[:, _TB] * both
     m0 = c[:, _MC] + c[:, _MF] * first + c[:, _MLA] * last + c[:, _MB] * both
-    mslope = c[:, _ML] + in_flight * c[:, _MI]
+    rate = c[:, _F] + c[:, _B]
+    keep = np.array(_skyline(np.stack([rate, f0, c[:, _TL], t0, m0, c[:, _ML], c[:, _MI]], axis=1)), dtype=int)
     layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
-    if not len(c):
-        return np.full(max_layers, np.inf), np.full(max_layers, np.inf), np.full(max_layers, np.inf)
-    fits = m0[None, :] + mslope[None, :] * layers <= table.capacity_bytes
-    time = (c[:, _F] + c[:, _B])[None, :] * layers + f0[None, :]
-    least = np.where(fits, time, np.inf).min(axis=1)
-    tail = c[:, _TL][None, :] * layers + t0[None, :]
-    own = np.where(fits, micro_batches * time + tail, np.inf).min(axis=1)
-    return least, own, np.where(fits, tail, np.inf).min(axis=1)
+    time = rate[keep][None, :] * layers + f0[keep][None, :]
+    tail = c[keep, _TL][None, :] * layers + t0[keep][None, :]
+    return m0[keep], c[keep, _ML], c[keep, _MI], time, tail, micro_batches * time + tail
 
 
 class StageOptions:

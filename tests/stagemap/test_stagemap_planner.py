@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -148,3 +149,76 @@ def test_the_layout_skyline_keeps_exactly_the_rows_no_other_row_beats():
         expected = [i for i, r in enumerate(rows)
                     if not any((rows[j] <= r).all() and ((rows[j] < r).any() or j < i) for j in range(len(rows)) if j != i)]
         assert _skyline(rows) == expected
+
+
+def test_least_curve_over_its_narrowed_layouts_gives_the_same_floats_as_over_all_of_them():
+    from heteroflow.stagemap import options
+    from heteroflow.stagemap.estimate import job_hardware
+    from heteroflow.stagemap.search import Planner
+    job = load_job(REPO / "configs" / "jobs" / "emulated-three-vendor.yaml")
+    planner = Planner(job, job_hardware(job, None), SearchOptions())
+    layers, checked = job.model.num_layers, 0
+    for c, cls in enumerate(planner.classes):
+        for size in (1, 2, cls.num_devices):
+            for mbs in (1, 2, 4):
+                if not planner.layouts(c, size, mbs):
+                    continue
+                table = planner.table(c, size, mbs)
+                k = table.coef
+                for first, last, in_flight, m in itertools.product((False, True), (False, True), (1, 3, 8), (1, 8)):
+                    got = options.least_curve(table, first=first, last=last, in_flight=in_flight,
+                                              max_layers=layers, micro_batches=m)
+                    # every layout of the table, as the curve was priced before it was narrowed
+                    f0 = (k[:, options._FF] * first + k[:, options._FL] * last + k[:, options._BF] * first
+                          + k[:, options._BL] * last)
+                    t0 = (k[:, options._TC] + k[:, options._TF] * first + k[:, options._TLA] * last
+                          + k[:, options._TB] * (first and last))
+                    m0 = (k[:, options._MC] + k[:, options._MF] * first + k[:, options._MLA] * last
+                          + k[:, options._MB] * (first and last))
+                    n = np.arange(1, layers + 1, dtype=float)[:, None]
+                    fits = m0[None, :] + (k[:, options._ML] + in_flight * k[:, options._MI])[None, :] * n \
+                        <= table.capacity_bytes
+                    time = (k[:, options._F] + k[:, options._B])[None, :] * n + f0[None, :]
+                    tail = k[:, options._TL][None, :] * n + t0[None, :]
+                    want = (np.where(fits, time, np.inf).min(axis=1), np.where(fits, m * time + tail, np.inf).min(axis=1),
+                            np.where(fits, tail, np.inf).min(axis=1))
+                    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+                    checked += 1
+    assert checked >= 24
+
+
+def _slot_curve_over_every_row(table, *, first, last, in_flight, max_layers):
+    """`slot_curve` as it was before its rows were narrowed per position: the skyline over every table row."""
+    from heteroflow.stagemap import options as o
+    c, both = table.coef, first and last
+    f0, b0 = c[:, o._FF] * first + c[:, o._FL] * last, c[:, o._BF] * first + c[:, o._BL] * last
+    t0 = c[:, o._TC] + c[:, o._TF] * first + c[:, o._TLA] * last + c[:, o._TB] * both
+    m0 = c[:, o._MC] + c[:, o._MF] * first + c[:, o._MLA] * last + c[:, o._MB] * both
+    mslope, room = c[:, o._ML] + in_flight * c[:, o._MI], table.capacity_bytes - m0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lmax = np.where(mslope > 0, np.floor(room / np.where(mslope > 0, mslope, 1.0)),
+                        np.where(room >= 0, max_layers, -1))
+    lmax = np.minimum(lmax, max_layers)
+    rows = np.stack([c[:, o._F], f0, c[:, o._B], b0, c[:, o._TL], t0, -lmax], axis=1)
+    live = [i for i in o._skyline(rows) if lmax[i] >= 1]
+    layers = np.arange(1, max_layers + 1, dtype=float)[:, None]
+    return ([table.layouts[i] for i in live], c[live, o._F][None, :] * layers + f0[live][None, :],
+            c[live, o._B][None, :] * layers + b0[live][None, :], c[live, o._TL][None, :] * layers + t0[live][None, :],
+            lmax[live][None, :] >= layers)
+
+
+def test_slot_curve_keeps_the_layouts_and_floats_of_the_skyline_over_every_row():
+    from heteroflow.stagemap.options import LayoutTable, slot_curve
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(0, 60))
+        # small integers: many ties, so the tie rule (the first row stays) is exercised
+        coef = rng.integers(0, 4, size=(n, 17)).astype(float)
+        table = LayoutTable([f"layout {i}" for i in range(n)], [None] * n, coef, float(rng.integers(4, 40)))
+        for first, last, in_flight in itertools.product((False, True), (False, True), (1, 2, 5)):
+            curve = slot_curve(table, first=first, last=last, in_flight=in_flight, max_layers=6)
+            layouts, fwd, bwd, tail, fits = _slot_curve_over_every_row(table, first=first, last=last,
+                                                                        in_flight=in_flight, max_layers=6)
+            assert curve.layouts == layouts
+            for got, want in ((curve.forward, fwd), (curve.backward, bwd), (curve.tail, tail), (curve.fits, fits)):
+                assert got.shape[1] == want.shape[1] and (not want.size or np.array_equal(got, want))
