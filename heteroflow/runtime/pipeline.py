@@ -10,6 +10,10 @@ activation send posted alone could wait on stage k+1, whose gradient send waits 
 not posted yet. Both sides of a link post its messages in the same order, in the same batches. Every rank of a stage runs the same actions in the same order, so the collectives inside
 the stage line up.
 
+The step never waits for the device: the micro-batches' tokens and labels go to the device without blocking
+(`non_blocking`), and the last stage sums its token losses on the device; the caller reads that sum once per
+step, with the other step figures (`runtime/worker.py`).
+
 With a `PartTimer`, the step is timed by part: `forward` and `backward` around each action's compute (less
 the tp collectives timed inside, `collective`), `wait` around every receive and around sends that wait for
 buffer room or complete at the end: the time the stage is held up by its neighbours.
@@ -112,8 +116,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                       loss_scale: float = 1.0, timer: PartTimer | None = None) -> torch.Tensor:
     """Forward and backward every micro-batch; gradients accumulate in the model (already scaled by
     `loss_scale` / `global_tokens`, so they sum to `loss_scale` times the global-batch mean gradient).
-    Returns this rank's summed token loss (fp32, unscaled, zero except on the last stage). `timer` times
-    the parts (see the module docstring)."""
+    Returns this rank's summed token loss (fp32, unscaled, zero except on the last stage) on the stage's device,
+    not read: reading it waits for the device. `timer` times the parts (see the module docstring)."""
     part: Callable[[str], contextlib.AbstractContextManager] = (
         timer.part if timer is not None else lambda name: contextlib.nullcontext())
     num_stages = len(rt.plan.stages)
@@ -126,7 +130,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                                                    ahead=receives_ahead(rt.prev))
     grads = None if rt.is_last else _Recvs(rt.next.recv_grad, len(actions) - num_forwards,
                                             ahead=receives_ahead(rt.next))
-    loss_sum = torch.zeros((), dtype=torch.float32)
+    device = rt.device.torch_device
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     autocast = (torch.autocast(rt.device.torch_device.type, dtype=rt.autocast_dtype)
                 if rt.autocast_dtype is not None else contextlib.nullcontext())
     for i, action in enumerate(actions):
@@ -134,7 +139,7 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
         then = actions[i + 1].kind if i + 1 < len(actions) else None
         if action.kind == FORWARD:
             if rt.is_first:
-                x = micro_batches[m].tokens.to(rt.device.torch_device)
+                x = micro_batches[m].tokens.to(device, non_blocking=True)
             else:
                 with part(WAIT_PART):
                     received = activations.take()
@@ -144,8 +149,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             # The rank's meter counts what the tier leaves on the device (the step record's `memory`).
             with part(FORWARD_PART), autocast, rt.meter.context(activation_context(rt)):
                 if rt.is_last:
-                    out = rt.model(x, labels=micro_batches[m].labels.to(rt.device.torch_device))
-                    loss_sum += out.detach().float().cpu()
+                    out = rt.model(x, labels=micro_batches[m].labels.to(device, non_blocking=True))
+                    loss_sum += out.detach().float()  # on the device: no host sync per micro-batch
                     out = out.float() * loss_scale / global_tokens
                 else:
                     out = rt.model(x)
