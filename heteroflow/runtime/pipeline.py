@@ -1,9 +1,11 @@
 """Run one optimizer step's micro-batches through this rank's stage, in its schedule's order.
 
 Sends are asynchronous, with at most two in flight per direction (the boundary's buffer limit), waited
-for in the order they were started. A receive blocks when an action needs its data; over gloo it was
-posted as soon as the previous receive of its direction arrived, so the transfer overlaps the compute
-in between. A send whose link the next action receives from goes out in one batch with that receive
+for in the order they were started. A receive blocks when an action needs its data; it was posted as early as the
+link's order allows, so the transfer overlaps the compute in between: over gloo as soon as the previous receive
+of its direction arrived; over NCCL and HCCL as soon as it is the link's next message in the stage's order (the
+step's first activation, the activations of consecutive forwards, the gradients of consecutive backwards: posted
+once the one before arrived), else in one batch with the send before it. A send whose link the next action receives from goes out in one batch with that receive
 (`StageBoundary.together`, Megatron's `send_forward_recv_backward` / `send_backward_recv_forward`): NCCL and
 HCCL run a communicator's operations in posting order and a send waits for its receive, so stage k's
 activation send posted alone could wait on stage k+1, whose gradient send waits on the receive stage k has
@@ -130,6 +132,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                                                    ahead=receives_ahead(rt.prev))
     grads = None if rt.is_last else _Recvs(rt.next.recv_grad, len(actions) - num_forwards,
                                             ahead=receives_ahead(rt.next))
+    if activations is not None and actions and actions[0].kind == FORWARD:
+        activations.post_next()  # the link's first message of the step (the last one's sends have completed)
     device = rt.device.torch_device
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     autocast = (torch.autocast(rt.device.torch_device.type, dtype=rt.autocast_dtype)
@@ -143,6 +147,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             else:
                 with part(WAIT_PART):
                     received = activations.take()
+                    if then == FORWARD:  # no send on this link before the next forward's activation: post it now
+                        activations.post_next()
                 # The previous stage sent in its precision; this stage computes (and sends back) in its own.
                 x = received.to(rt.activation_dtype).requires_grad_()
             inputs[m] = x
@@ -169,6 +175,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             else:
                 with part(WAIT_PART):
                     grad = grads.take()
+                    if then is not None and then != FORWARD:  # nor before the next backward's gradient
+                        grads.post_next()
                 with part(BACKWARD_PART):
                     out.backward(grad.to(out.dtype))
             x = inputs.pop(m)
