@@ -93,7 +93,7 @@ class GPTSamples:
 
 def rows_to_batch(rows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples of S + 1 tokens -> (inputs, labels) of S tokens each, labels shifted by one."""
-    stacked = torch.from_numpy(np.stack(rows))
+    stacked = torch.as_tensor(np.stack(rows))  # shares the array, as from_numpy; torch function modes see it
     return stacked[:, :-1].contiguous(), stacked[:, 1:].contiguous()
 
 

@@ -64,7 +64,7 @@ class TokenFile:
 
     def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), each int64 [len(indices), seq_length]."""
-        rows = torch.from_numpy(np.stack([self.sample(int(i)) for i in indices]))
+        rows = torch.as_tensor(np.stack([self.sample(int(i)) for i in indices]))  # as from_numpy; modes see it
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def check_vocab(self, vocab_size: int, *, chunk: int = 1 << 24) -> None:

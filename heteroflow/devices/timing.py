@@ -1,8 +1,8 @@
 """`PartTimer`: the seconds one rank spends in named parts of a step, timed with its device's events.
 
 A part is timed between two events recorded on the device's current stream (`Device.new_event`): on an
-accelerator they time the queued work without stopping the host, and the one synchronisation the step already
-ends with makes them readable; on the CPU the stand-in events read the wall clock. Parts nest: a part's time
+accelerator they time the queued work without stopping the host, and they are read once the host has synchronised
+past them (the worker reads a step's at the next step's one sync: `take`, then `seconds`); on the CPU the stand-in events read the wall clock. Parts nest: a part's time
 excludes the parts timed inside it (a forward's tp collectives are counted as collective time, not forward).
 """
 
@@ -50,7 +50,18 @@ class PartTimer:
     def collect(self) -> dict[str, float]:
         """Seconds per part since the last `collect`, then start afresh. Call with no part open, after the
         device was synchronised (an accelerator's events must have completed)."""
+        return self.seconds(self.take())
+
+    def take(self) -> list[_Interval]:
+        """The parts timed since the last `take` or `collect`, unread (their events may still be pending: read
+        them with `seconds` once the device has run past them), then start afresh. Call with no part open."""
         assert not self._open, f"parts still open: {[i.part for i in self._open]}"
+        done, self._done = self._done, []
+        return done
+
+    @staticmethod
+    def seconds(intervals: list[_Interval]) -> dict[str, float]:
+        """Exclusive seconds per part of `take`'s intervals (their events must have completed)."""
         totals: dict[str, float] = defaultdict(float)
 
         def add(interval: _Interval) -> float:
@@ -58,7 +69,6 @@ class PartTimer:
             totals[interval.part] += elapsed - sum(add(inner) for inner in interval.inner)
             return elapsed
 
-        for interval in self._done:
+        for interval in intervals:
             add(interval)
-        self._done = []
         return dict(totals)

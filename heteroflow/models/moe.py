@@ -292,11 +292,11 @@ def set_aux_loss_scale(model: nn.Module, *, step_tokens: int, grad_scale: float 
 
 def take_aux_losses(model: nn.Module) -> torch.Tensor:
     """Sum over this model's MoE layers of the weighted aux values recorded since the last call (fp32
-    scalar, on CPU); clears the records."""
+    scalar, where they were recorded, not read; on the host when there were none); clears the records."""
     total = None
     for layer in moe_layers(model):
-        for value in layer.aux_losses:  # summed where they are, in order; one copy to the host (was one each)
+        for value in layer.aux_losses:  # summed where they are, in order; the caller reads the sum once per step
             value = value.detach().float().reshape(())
             total = value if total is None else total + value
         layer.aux_losses.clear()
-    return total.cpu() if total is not None else torch.zeros((), dtype=torch.float32)
+    return total if total is not None else torch.zeros((), dtype=torch.float32)

@@ -39,8 +39,9 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
         chosen = [i for i, d in enumerate(decays) if d == decay]
         if not chosen:
             continue
-        # torch counts the step in these tensors (it increments them first); fused wants them on the device
-        steps = [torch.tensor(float(step - 1), device=params[i].device if fused else "cpu") for i in chosen]
+        # torch counts the step in these tensors (it increments them first); fused wants them on the device, the
+        # others on the host (made without a device: host memory, so reading them waits for no device)
+        steps = [torch.tensor(float(step - 1), device=params[i].device if fused else None) for i in chosen]
         torch_adamw([params[i] for i in chosen], [grads[i] for i in chosen], [exp_avgs[i] for i in chosen],
                     [exp_avg_sqs[i] for i in chosen], [], steps, foreach=foreach, fused=fused, capturable=False,
                     differentiable=False, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,

@@ -1,14 +1,20 @@
 """Run one optimizer step's micro-batches through this rank's stage, in its schedule's order.
 
 Sends are asynchronous, with at most two in flight per direction (the boundary's buffer limit), waited
-for in the order they were started. A receive blocks when an action needs its data; over gloo it was
-posted as soon as the previous receive of its direction arrived, so the transfer overlaps the compute
-in between. A send whose link the next action receives from goes out in one batch with that receive
+for in the order they were started. A receive blocks when an action needs its data; it was posted as early as the
+link's order allows, so the transfer overlaps the compute in between: over gloo as soon as the previous receive
+of its direction arrived; over NCCL and HCCL as soon as it is the link's next message in the stage's order (the
+step's first activation, the activations of consecutive forwards, the gradients of consecutive backwards: posted
+once the one before arrived), else in one batch with the send before it. A send whose link the next action receives from goes out in one batch with that receive
 (`StageBoundary.together`, Megatron's `send_forward_recv_backward` / `send_backward_recv_forward`): NCCL and
 HCCL run a communicator's operations in posting order and a send waits for its receive, so stage k's
 activation send posted alone could wait on stage k+1, whose gradient send waits on the receive stage k has
 not posted yet. Both sides of a link post its messages in the same order, in the same batches. Every rank of a stage runs the same actions in the same order, so the collectives inside
 the stage line up.
+
+The step never waits for the device: the micro-batches' tokens and labels go to the device without blocking
+(`non_blocking`), and the last stage sums its token losses on the device; the caller reads that sum once per
+step, with the other step figures (`runtime/worker.py`).
 
 With a `PartTimer`, the step is timed by part: `forward` and `backward` around each action's compute (less
 the tp collectives timed inside, `collective`), `wait` around every receive and around sends that wait for
@@ -112,8 +118,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                       loss_scale: float = 1.0, timer: PartTimer | None = None) -> torch.Tensor:
     """Forward and backward every micro-batch; gradients accumulate in the model (already scaled by
     `loss_scale` / `global_tokens`, so they sum to `loss_scale` times the global-batch mean gradient).
-    Returns this rank's summed token loss (fp32, unscaled, zero except on the last stage). `timer` times
-    the parts (see the module docstring)."""
+    Returns this rank's summed token loss (fp32, unscaled, zero except on the last stage) on the stage's device,
+    not read: reading it waits for the device. `timer` times the parts (see the module docstring)."""
     part: Callable[[str], contextlib.AbstractContextManager] = (
         timer.part if timer is not None else lambda name: contextlib.nullcontext())
     num_stages = len(rt.plan.stages)
@@ -126,7 +132,10 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
                                                    ahead=receives_ahead(rt.prev))
     grads = None if rt.is_last else _Recvs(rt.next.recv_grad, len(actions) - num_forwards,
                                             ahead=receives_ahead(rt.next))
-    loss_sum = torch.zeros((), dtype=torch.float32)
+    if activations is not None and actions and actions[0].kind == FORWARD:
+        activations.post_next()  # the link's first message of the step (the last one's sends have completed)
+    device = rt.device.torch_device
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     autocast = (torch.autocast(rt.device.torch_device.type, dtype=rt.autocast_dtype)
                 if rt.autocast_dtype is not None else contextlib.nullcontext())
     for i, action in enumerate(actions):
@@ -134,18 +143,20 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
         then = actions[i + 1].kind if i + 1 < len(actions) else None
         if action.kind == FORWARD:
             if rt.is_first:
-                x = micro_batches[m].tokens.to(rt.device.torch_device)
+                x = micro_batches[m].tokens.to(device, non_blocking=True)
             else:
                 with part(WAIT_PART):
                     received = activations.take()
+                    if then == FORWARD:  # no send on this link before the next forward's activation: post it now
+                        activations.post_next()
                 # The previous stage sent in its precision; this stage computes (and sends back) in its own.
                 x = received.to(rt.activation_dtype).requires_grad_()
             inputs[m] = x
             # The rank's meter counts what the tier leaves on the device (the step record's `memory`).
             with part(FORWARD_PART), autocast, rt.meter.context(activation_context(rt)):
                 if rt.is_last:
-                    out = rt.model(x, labels=micro_batches[m].labels.to(rt.device.torch_device))
-                    loss_sum += out.detach().float().cpu()
+                    out = rt.model(x, labels=micro_batches[m].labels.to(device, non_blocking=True))
+                    loss_sum += out.detach().float()  # on the device: no host sync per micro-batch
                     out = out.float() * loss_scale / global_tokens
                 else:
                     out = rt.model(x)
@@ -164,6 +175,8 @@ def run_pipeline_step(rt: StageRuntime, micro_batches: list[MicroBatch], *, glob
             else:
                 with part(WAIT_PART):
                     grad = grads.take()
+                    if then is not None and then != FORWARD:  # nor before the next backward's gradient
+                        grads.post_next()
                 with part(BACKWARD_PART):
                     out.backward(grad.to(out.dtype))
             x = inputs.pop(m)

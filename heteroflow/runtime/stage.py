@@ -110,9 +110,10 @@ class StageRuntime:
         all_reduce_cp_grads(self.model, self.groups.cp, grad_of=grad_of)
 
     def grad_sq_norm_share(self) -> torch.Tensor:
-        """This rank's share of the global squared gradient norm (fp32, CPU): cp ranks hold the same gradients after
-        the cp sum, so one of them counts them (ZeRO-3 shards them; `ExpertDataParallelAdamW` sees to it itself)."""
-        share = self.optimizer.grad_sq_norm_share().float().cpu()
+        """This rank's share of the global squared gradient norm (fp32, where the optimizer computed it: not read, so
+        the host does not wait for the device): cp ranks hold the same gradients after the cp sum, so one of them
+        counts them (ZeRO-3 shards them; `ExpertDataParallelAdamW` sees to it itself)."""
+        share = self.optimizer.grad_sq_norm_share().float()
         if self.info.cp != 0 and not self.shards_over_cp and not isinstance(self.optimizer, ExpertDataParallelAdamW):
             share = share * 0  # keeps a nan or inf of this rank visible to all
         return share

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -188,11 +187,35 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
     # Every rank's step and heartbeat in the store: a rank waiting past the limit names those it waits for.
     watchdog = StepWatchdog(limit_s=args.timeout_s, rank=rank, where=where,
                             progress=world_progress_board(rank=rank, where=where))
+    # The step before, its figures read once the device has run it: at this step's one sync (or at the end).
+    ended: _EndedStep | None = None
+
+    def report(ended: _EndedStep) -> None:
+        """Every rank's figures of `ended` to rank 0, which writes its record (the device must have run it)."""
+        step_time = ended.start.elapsed_time(ended.end) / 1000.0
+        figures = rank_figures(PartTimer.seconds(ended.parts), step_s=step_time)
+        # One small world collective: every rank's part times and memory to rank 0.
+        gathered = gather_step_figures(figures, ended.memory, rank_map=groups.rank_map, group=groups.world,
+                                       rank=rank)
+        if rank == 0:
+            assert gathered is not None
+            measured, memory_measured = gathered
+            record = StepRecord(**ended.fields, tokens_per_s=global_tokens / step_time, step_time_s=step_time,
+                                stages=stage_records(measured, args.predicted_stages, device_types),
+                                memory=memory_record(job, plan, memory_measured, stage_of_rank))
+            writer.write(record)
+            if board is not None:
+                board.write(record)
+            records.append({"step": ended.fields["step"], "stages": record.stages})
+            if progress is not None:
+                progress.update(record)
+
     try:
         for step in range(first_step, args.steps):
             watchdog.begin(step)
             reset_measurement(rt.meter, device)
-            started = time.perf_counter()
+            start = device.new_event(enable_timing=True)  # the step's time: from this event to its last
+            start.record()
             indices = order.global_batch(step)
             micro_batches = []
             for m in range(num_micro_batches):
@@ -218,9 +241,12 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
             # gradient of any rank makes the norm non-finite on every rank, so all skip (or stop) together.
             aux_share = take_aux_losses(rt.model)
             # ... and the ranks asked to stop (a signal): all see the same count, so all stop after this step
-            totals = torch.stack([norm_share, loss_sum if counts_loss else torch.zeros(()),
-                                  aux_share if counts_aux else torch.zeros(()),
-                                  torch.ones(()) if stop.requested() else torch.zeros(())])
+            totals = _to_host([norm_share, loss_sum if counts_loss else torch.zeros(()),
+                               aux_share if counts_aux else torch.zeros(()),
+                               torch.ones(()) if stop.requested() else torch.zeros(())], device)
+            if ended is not None:  # the read above waited for the device: the step before has run
+                report(ended)
+                ended = None
             with timer.part("sync"):
                 dist.all_reduce(totals, group=groups.world)
             grad_norm = math.sqrt(float(totals[0])) / scale  # of the unscaled gradients
@@ -241,30 +267,16 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
                 scaler.update(skipped)
                 if scaler.stuck_overflows >= MAX_STUCK_OVERFLOWS:
                     raise TrainingDiverged(_overflow_message(step, scaler))
-            device.synchronize()  # also completes the timer's events
-            figures = rank_figures(timer.collect(), step_s=time.perf_counter() - started)
-            # One small world collective: every rank's part times and memory to rank 0, which times the step after it.
-            gathered = gather_step_figures(figures, measured_memory(rt.optimizer, rt.meter, device),
-                                           rank_map=groups.rank_map, group=groups.world, rank=rank)
-            step_time = time.perf_counter() - started
+            end = device.new_event(enable_timing=True)
+            end.record()
+            # Read at the next step's sync: no wait for the device here (the memory figures are the host's counts).
+            ended = _EndedStep(parts=timer.take(), start=start, end=end,
+                               memory=measured_memory(rt.optimizer, rt.meter, device),
+                               fields={"step": step, "loss": loss, "aux_loss": aux_loss, "lr": lr,
+                                       "grad_norm": grad_norm, "predicted_step_time_s": args.predicted_step_time_s,
+                                       "loss_scale": scale if scaler is not None else None,
+                                       "skipped": skipped if scaler is not None else None})
             losses.append(loss)
-            if rank == 0:
-                assert gathered is not None
-                measured, memory_measured = gathered
-                record = StepRecord(step=step, loss=loss, aux_loss=aux_loss,
-                                    tokens_per_s=global_tokens / step_time,
-                                    step_time_s=step_time, lr=lr, grad_norm=grad_norm,
-                                    predicted_step_time_s=args.predicted_step_time_s,
-                                    loss_scale=scale if scaler is not None else None,
-                                    skipped=skipped if scaler is not None else None,
-                                    stages=stage_records(measured, args.predicted_stages, device_types),
-                                    memory=memory_record(job, plan, memory_measured, stage_of_rank))
-                writer.write(record)
-                if board is not None:
-                    board.write(record)
-                records.append({"step": step, "stages": record.stages})
-                if progress is not None:
-                    progress.update(record)
             checkpoints.after_step(step)
             if float(totals[3]) > 0 and step + 1 < args.steps:
                 stopped_by = agreed_signal(stop.requested(), groups.world)
@@ -272,6 +284,9 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
                     saved = str(checkpoints.save(step + 1) if checkpoints.last_saved != step + 1
                                 else checkpoints.root / step_dir_name(step + 1))
                 break
+        if ended is not None:  # the last step: its figures once the device has run it
+            device.synchronize()
+            report(ended)
     finally:
         watchdog.stop()
         if writer is not None:
@@ -282,6 +297,27 @@ def _train_steps(args: WorkerArgs, rt, rank: int, stop: StopRequest) -> tuple[in
     if table is not None:
         print(table, flush=True)
     return first_step, losses, stopped_by, saved
+
+
+@dataclass(frozen=True, slots=True)
+class _EndedStep:
+    """A step whose work the device may still be running: what its record needs, read once it has run."""
+
+    parts: list
+    """`PartTimer.take()` at the step's end."""
+    start: object
+    end: object
+    """The device events at the step's start and end."""
+    memory: dict[str, int]
+    fields: dict
+    """The `StepRecord` fields known on the host at the step's end."""
+
+
+def _to_host(values: list[torch.Tensor], device) -> torch.Tensor:
+    """The fp32 scalars `values` (on the device or the host) stacked on the host with one device-to-host copy: the
+    step's one read of the device (it waits for the work computing them), instead of one per value."""
+    on_device = torch.stack([v.to(device.torch_device, non_blocking=True) for v in values])
+    return on_device.cpu()
 
 
 def _divergence_message(step: int, first_step: int, *, loss: float, grad_norm: float) -> str:
