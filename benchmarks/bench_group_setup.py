@@ -24,12 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from heteroflow.backends import RankMap  # noqa: E402
 from heteroflow.testing.group_setup import measure_group_setup, three_vendor_groups_job  # noqa: E402
 
+QUICK = ["--worlds", "64,256", "--repeats", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", default="64,256,1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     rows = []
     for world_size in (int(w) for w in args.worlds.split(",")):
         config = three_vendor_groups_job(world_size)

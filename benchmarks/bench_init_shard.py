@@ -32,6 +32,9 @@ def best(fn, repeats: int) -> float:
         times.append(time.perf_counter() - started)
     return min(times)
 
+QUICK = ["--shape", "1024,2048", "--repeats", "1"]
+"""The sizes `--quick` runs (tests/benchmarks/test_quick_modes.py)."""
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,7 +42,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (what the test suite runs)")
     args = parser.parse_args()
+    if args.quick:  # later arguments still override the quick sizes
+        args = parser.parse_args([*QUICK, *(sys.argv[1:])])
     torch.set_num_threads(args.threads)
     shape = tuple(int(s) for s in args.shape.split(","))
     rows = shape[0] // args.tp

@@ -42,6 +42,16 @@ def visible_devices_variable(vendor: str) -> str | None:
     return _VISIBLE_DEVICES[vendor]
 
 
+def compute_capability_major(torch_device: torch.device) -> int | None:
+    """The major compute capability of a `cuda` torch device (CUDA, or ROCm's architecture as torch reports it),
+    for code that picks a kernel from a tensor's device; None for any other device type."""
+    if torch_device.type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_capability(torch_device)[0])
+
+
 def emulated(vendor: str, index: int = 0) -> Device:
     """A CPU device labelled `vendor`, for running a mixed cluster as local CPU processes."""
     return Device.for_vendor(vendor, index, emulate=True)

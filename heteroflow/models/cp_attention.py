@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from heteroflow.devices.facade import compute_capability_major
 from heteroflow.models.tp_ops import all_gather_dim, reduce_scatter_dim
 
 _SEQ = 2
@@ -50,7 +51,7 @@ def choose_kernel(q: torch.Tensor, *, math_kernel: bool = False) -> Kernel:
     if q.device.type == "cpu":
         return Kernel.CPU
     if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8):
+            and q.shape[-1] <= 256 and (compute_capability_major(q.device) or 0) >= 8):
         return Kernel.CUDA
     return Kernel.MATH
 

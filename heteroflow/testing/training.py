@@ -27,6 +27,25 @@ def assemble_weights(results) -> dict[str, torch.Tensor]:
     return full
 
 
+ADAM_NOISE_FRACTION = 1e-3
+"""Of a tensor's elements, the share (at least one) that may differ by more than the tolerance after AdamW steps: an
+element whose gradient is at float-noise level moves by up to lr a step whatever the noise's size, so two runs
+whose kernels round differently (fused attention, a chunked loss, another tp split) disagree there."""
+
+
+def assert_weights_close(got: torch.Tensor, want: torch.Tensor, *, tol: float, name: str,
+                         noise_atol: float = 1e-3) -> None:
+    """`got` equals `want` within `tol` (relative and absolute) but for at most `ADAM_NOISE_FRACTION` of the
+    elements, which must still be within `noise_atol` (a fraction of the learning rate a step)."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs reference {tuple(want.shape)}"
+    diff = (got.float() - want.float()).abs()
+    outside = int((diff > tol + tol * want.float().abs()).sum())
+    allowed = max(1, int(ADAM_NOISE_FRACTION * want.numel()))
+    assert outside <= allowed, f"{name}: {outside} of {want.numel()} elements differ by more than {tol:g}"
+    worst = float(diff.max()) if diff.numel() else 0.0
+    assert worst <= noise_atol, f"{name}: an element differs by {worst:.3g} (> {noise_atol:g})"
+
+
 def check_against_reference(results, ref_losses, ref_weights: dict[str, torch.Tensor], *, loss_rel: float = 1e-5,
                             weight_tol: float = 1e-4) -> None:
     """Assert that a run's losses (rank 0's) are the one-device reference's within `loss_rel` relative and fall,
@@ -40,4 +59,4 @@ def check_against_reference(results, ref_losses, ref_weights: dict[str, torch.Te
         torch.testing.assert_close(weights.pop("head.weight"), weights["embed.weight"], rtol=0, atol=0)
     assert weights.keys() == ref_weights.keys()
     for name, want in ref_weights.items():
-        torch.testing.assert_close(weights[name], want, rtol=weight_tol, atol=weight_tol, msg=name)
+        assert_weights_close(weights[name], want, tol=weight_tol, name=name)

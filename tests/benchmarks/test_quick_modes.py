@@ -14,6 +14,9 @@ from conftest import REPO
 
 FAST = {  # script -> a piece of its result output
     "bench_calibration_published.py": "pairs: ",
+    "bench_group_setup.py": "members",
+    "bench_init_shard.py": "tp share 1/8, tiles",
+    "bench_published_choice.py": "Kendall tau-b",
     "bench_indexed_data.py": "samples equal: yes",
     "bench_moe_layer.py": "",
     "bench_moe_router_options.py": "",

@@ -14,7 +14,7 @@ from heteroflow.config import parse_job
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.testing import run_ranks
-from heteroflow.testing.training import assemble_weights, train_rank
+from heteroflow.testing.training import assemble_weights, assert_weights_close, train_rank
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "gpu-0", "device": "nvidia-a100-80g", "count": 2},
@@ -44,7 +44,7 @@ def test_two_stage_tp_plan_matches_single_process(tmp_path):
     assert results[0].losses == pytest.approx(ref_losses, rel=1e-5)
     weights = assemble_weights(results)
     for name, want in ref_weights.items():  # the router and gates included: their tp gradients are right
-        torch.testing.assert_close(weights[name], want, rtol=1e-4, atol=1e-5, msg=name)
+        assert_weights_close(weights[name], want, tol=1e-5, name=name)
     records = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line]
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
     assert records[0]["aux_loss"] == pytest.approx(first_step_aux_loss(job, data_dir), rel=1e-5)

@@ -15,7 +15,7 @@ from heteroflow.runtime.metrics import read_step_records
 from heteroflow.runtime.reference import train_reference
 from heteroflow.runtime.worker import WorkerArgs
 from heteroflow.stagemap.memory import memory_parts, offloaded_optimizer_bytes
-from heteroflow.testing.training import assemble_weights, run_training
+from heteroflow.testing.training import assemble_weights, assert_weights_close, run_training
 
 STEPS = 3
 CLUSTER = {"nodes": [{"name": "a", "device": "cpu", "count": 4}]}
@@ -90,7 +90,7 @@ def test_zero_offload_reproduces_the_single_process_losses(runs, variant):
     assert results[0].losses[-1] < results[0].losses[0]
     weights = assemble_weights(results)
     for n, want in ref_weights.items():
-        torch.testing.assert_close(weights[n], want, rtol=1e-5, atol=1e-5, msg=n)
+        assert_weights_close(weights[n], want, tol=1e-5, name=n)
 
 
 @pytest.mark.slow
