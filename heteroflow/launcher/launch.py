@@ -113,10 +113,6 @@ class _AwareUTC(datetime.datetime):
         return datetime.datetime.now(datetime.timezone.utc)
 
 
-def _field_names(config_type: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(config_type)}
-
-
 _OUR_SIGNALS = "SIGHUP,SIGQUIT"
 """The signals torch elastic's agent still turns into an exception; SIGTERM and SIGINT are `StopController`'s."""
 
@@ -124,7 +120,7 @@ _OUR_SIGNALS = "SIGHUP,SIGQUIT"
 def elastic_signal_options(config_type: type) -> dict[str, Any]:
     """`LaunchConfig` options that leave SIGTERM and SIGINT to `StopController`, where this torch has them (an
     older agent installs its own handlers when it starts the workers: see `elastic_stop_handlers`)."""
-    fields = _field_names(config_type)
+    fields = {f.name for f in dataclasses.fields(config_type)}
     if "signals_to_handle" not in fields:
         return {}
     # The workers handle SIGTERM too, so elastic's own SIGTERM to the others after a failure may be held up by a
@@ -179,6 +175,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
     threads = spec.threads_per_process or threads_per_process(os.cpu_count() or 1, spec.num_processes)
     tee = {} if spec.tee_local_rank is None else {spec.tee_local_rank: Std.ALL}
     timeout = max(1, int(spec.join_timeout_s))
+    signal_options = elastic_signal_options(LaunchConfig)  # empty on a torch whose agent takes every signal
     config = LaunchConfig(
         min_nodes=spec.num_nodes, max_nodes=spec.num_nodes, nproc_per_node=spec.num_processes,
         run_id=spec.run_id or f"heteroflow-{uuid.uuid4().hex[:8]}",
@@ -189,7 +186,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
         log_line_prefix_template="[rank ${rank}] " if spec.rank_order is None else "[local rank ${local_rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=tee),
         # SIGTERM and SIGINT are ours (`StopController`): the ranks stop after a step instead of at once.
-        **elastic_signal_options(LaunchConfig),
+        **signal_options,
     )
     order = spec.rank_order
     # Workers inherit the environment: keep many CPU ranks from oversubscribing the cores. Elastic's shared
@@ -200,7 +197,7 @@ def launch(spec: LaunchSpec, entrypoint: Callable[..., Any], *args: Any) -> dict
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", ENV_ERROR_DIR: str(error_dir(log_dir)),
            ENV_STOP_FILE: str(stop_file), **spec.env}
     with worker_environment(env), quiet_elastic_logs(), StopController(stop_file, grace_s=spec.stop_grace_s) as stop, \
-            elastic_stop_handlers(processes_api, stop, needed="signals_to_handle" not in _field_names(LaunchConfig)):
+            elastic_stop_handlers(processes_api, stop, needed=not signal_options):
         try:
             results = elastic_launch(config, entrypoint)(*args)
         except SignalException:
